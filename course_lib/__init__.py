@@ -1,0 +1,16 @@
+"""course_lib: the companion package of the course "Fast LLM decoding with kernels written in Python".
+
+    import course_lib
+    model = course_lib.load_model()                     # SmolLM2-135M-Instruct, fetched and converted once
+    out = course_lib.generate(model, "Explain what a KV cache is.", chat=True, max_new_tokens=64)
+    print(out.text, out.tokens_per_s)
+"""
+
+from .config import ModelConfig, UnsupportedModelError
+from .device import gpu_available, mode
+from .generate import Generation, generate
+from .model import DEFAULT_MODEL, Model, load_model
+from .tiny import tiny_model
+
+__all__ = ["DEFAULT_MODEL", "Generation", "Model", "ModelConfig", "UnsupportedModelError", "generate",
+           "gpu_available", "load_model", "mode", "tiny_model"]

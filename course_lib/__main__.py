@@ -1,0 +1,68 @@
+"""Command line: python -m course_lib {generate, info} ... (run with -h for the options)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args) -> int:
+    from . import device, generate, load_model
+
+    device.announce()
+    model = load_model(args.model)
+    out = generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, backend=args.backend,
+                   stream=lambda piece: print(piece, end="", flush=True))
+    print()
+    print(f"[{len(out.token_ids)} tokens, {out.backend} backend: {out.tokens_per_s:.1f} tokens/s overall, "
+          f"decode {out.decode_tokens_per_s:.1f} tokens/s, prefill of {len(out.prompt_ids)} tokens "
+          f"{out.prefill_s * 1e3:.0f} ms; stopped by {out.stop_reason}]")
+    return 0
+
+
+def _info(args) -> int:
+    from . import device, load_model
+
+    print(f"mode: {device.mode()}  ({device.announce()[len('course_lib: '):]})")
+    model = load_model(args.model)
+    c = model.config
+    print(f"model: {c.name} ({model.source})")
+    for key, value in c.to_dict().items():
+        print(f"  {key:16s} {value}")
+    print(f"  {'head_dim':16s} {c.head_dim}")
+    print(f"parameters: {c.n_params():,}")
+    for label, size in (("f32", 4), ("bf16", 2)):
+        weights = c.n_params() * size
+        print(f"bytes per decoded token, {label} weights: {weights / 1e6:,.1f} MB of weights "
+              f"+ {c.kv_bytes_per_position(4) / 1e3:,.1f} kB of f32 KV cache per position of context")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming it")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="SmolLM2-135M-Instruct", help="default model name, .gguf file or HF directory")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--backend", default="auto", help="auto, numpy or cuda")
+    g.set_defaults(run=_generate)
+    i = sub.add_parser("info", help="mode (GPU or not), model config, parameters and bytes per token")
+    i.add_argument("--model", default="SmolLM2-135M-Instruct")
+    i.set_defaults(run=_info)
+    args = p.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

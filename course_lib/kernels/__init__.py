@@ -1,0 +1,1 @@
+"""Numba CUDA kernels, one module per topic."""

