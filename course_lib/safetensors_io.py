@@ -73,7 +73,8 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], bf16: bool = Fa
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         blob = f32_to_bf16(arr) if bf16 else arr
         nbytes = blob.nbytes
-        header[name] = {"dtype": "BF16" if bf16 else "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": "BF16" if bf16 else "F32", "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + nbytes]}
         blobs.append(blob)
         offset += nbytes
     head = json.dumps(header).encode()

@@ -59,7 +59,7 @@ def tiny_weights(config: ModelConfig, seed: int = 0) -> Weights:
             bq=vec(c.d_model, 0, 0.5) if bias else None, bk=vec(c.d_kv, 0, 0.5) if bias else None,
             bv=vec(c.d_kv, 0, 0.5) if bias else None,
         ))
-    embed = rng.standard_normal((c.vocab_size, c.d_model)).astype(np.float32)
+    embed = (0.3 * rng.standard_normal((c.vocab_size, c.d_model))).astype(np.float32)  # logits of std ~2
     lm_head = None if c.tied_embeddings else mat(c.d_model, c.vocab_size)
     return Weights(embed=embed, layers=layers, final_norm=vec(c.d_model), lm_head=lm_head)
 

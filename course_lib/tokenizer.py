@@ -7,8 +7,8 @@ import json
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 # Names of the tokens that end a turn or a document in the families we support.
 END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
@@ -68,10 +68,12 @@ class Tokenizer:
     def from_gguf_fields(cls, fields: dict) -> Tokenizer:
         """Build from GGUF metadata: tokenizer.ggml.{model, pre, tokens, token_type, merges, *_token_id}."""
         if fields.get("tokenizer.ggml.model") != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {fields.get('tokenizer.ggml.model')!r} is not supported (need gpt2 BPE)")
+            model = fields.get("tokenizer.ggml.model")
+            raise ValueError(f"GGUF tokenizer model {model!r} is not supported (need gpt2 BPE)")
         pre = fields.get("tokenizer.ggml.pre", "gpt2")
         if pre not in _GGUF_PRE_TOKENIZERS:
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(_GGUF_PRE_TOKENIZERS)})")
+            known = ", ".join(_GGUF_PRE_TOKENIZERS)
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {known})")
         tokens = fields["tokenizer.ggml.tokens"]
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
@@ -80,7 +82,7 @@ class Tokenizer:
         tok.decoder = decoders.ByteLevel()
         types = fields.get("tokenizer.ggml.token_type", [])
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
+                                for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_CONTROL])
         return cls(tok, fields.get("tokenizer.chat_template"), fields.get("tokenizer.ggml.bos_token_id"),
                    fields.get("tokenizer.ggml.eos_token_id"), bool(fields.get("tokenizer.ggml.add_bos_token", False)))
 

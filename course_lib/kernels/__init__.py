@@ -1,1 +1,57 @@
-"""Numba CUDA kernels, one module per topic."""
+"""Numba CUDA kernels, one module per topic.
+
+Import order matters: the simulator must be chosen (no GPU) before `numba.cuda` is first imported, so every
+kernel module takes `cuda` from here (`from course_lib.kernels import cuda`) and writes `cuda.x` in kernels
+(the simulator swaps the `cuda` global for a fake module while a kernel runs).
+
+Weights are stored either as float32 or as bf16 bit patterns (uint16). A kernel that reads weights is written
+once, as a factory taking the device function that turns one stored weight into float32, and compiled for both
+storage types by `for_weight_dtypes`; `pick` chooses the specialization for an array.
+"""
+
+import os
+
+import numpy as np
+
+from course_lib import device as _device
+
+_device.ensure_simulator_if_no_gpu()
+
+from numba import cuda, uint32  # noqa: E402  (after the simulator has been chosen)
+
+SIMULATOR = bool(cuda.config.ENABLE_CUDASIM) or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+if SIMULATOR:
+    from . import _sim
+
+    _sim.install()
+
+
+@cuda.jit(device=True)
+def f32_weight(w):
+    """A weight stored as float32: already float32."""
+    return w
+
+
+@cuda.jit(device=True)
+def bf16_weight(bits):
+    """A weight stored as bf16 bits (uint16): bf16 is the top half of a float32, so shift and reinterpret."""
+    return cuda.libdevice.int_as_float(uint32(bits) << uint32(16))
+
+
+WEIGHT_READERS = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): bf16_weight}
+
+
+def for_weight_dtypes(make_kernel):
+    """{weight dtype: kernel}, each built by make_kernel(to_f32) with that dtype's weight reader."""
+    return {dtype: make_kernel(to_f32) for dtype, to_f32 in WEIGHT_READERS.items()}
+
+
+def pick(kernels: dict, w):
+    """The kernel of `kernels` (from for_weight_dtypes) for the storage dtype of weight array w."""
+    try:
+        return kernels[np.dtype(w.dtype)]
+    except KeyError:
+        raise TypeError(f"weights must be float32 or bf16 stored as uint16, got {w.dtype}") from None
+
+
+__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cuda", "f32_weight", "for_weight_dtypes", "pick"]

@@ -1,0 +1,182 @@
+"""Row and element kernels of the baseline: embedding, RMSNorm, RoPE, SwiGLU's silu(gate) * up, residual add.
+
+Also the block reductions (warp shuffles, then one value per warp in shared memory) that RMSNorm and attention
+use. Activations are float32; `table` and `w` may be float32 or bf16 (uint16), see `course_lib.kernels`.
+"""
+
+import math
+
+import numpy as np
+from numba import float32
+
+from course_lib.kernels import cuda, for_weight_dtypes, pick
+
+THREADS = 256  # threads per block of the flat (one thread per element) kernels
+NORM_THREADS = 256  # threads per block of rms_norm (one block per row); a multiple of 32
+FULL_MASK = 0xFFFFFFFF
+
+
+# ---- block reductions (blockDim.x a multiple of 32, at most 1024; every thread of the block must call) ----
+
+@cuda.jit(device=True)
+def warp_sum(v):
+    """Sum of v over the 32 lanes of the warp; every lane gets it (butterfly of shfl_xor_sync)."""
+    offset = 16
+    while offset > 0:
+        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def warp_max(v):
+    """Maximum of v over the 32 lanes of the warp; every lane gets it."""
+    offset = 16
+    while offset > 0:
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def block_sum(v, scratch):
+    """Sum of v over the block; every thread gets it. scratch: shared float32[32], free again on return."""
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    v = warp_sum(v)
+    if lane == 0:
+        scratch[warp] = v
+    cuda.syncthreads()
+    v = scratch[lane] if lane < cuda.blockDim.x // 32 else float32(0)
+    v = warp_sum(v)
+    cuda.syncthreads()
+    return v
+
+
+@cuda.jit(device=True)
+def block_max(v, scratch):
+    """Maximum of v over the block; every thread gets it. scratch: shared float32[32], free again on return."""
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    v = warp_max(v)
+    if lane == 0:
+        scratch[warp] = v
+    cuda.syncthreads()
+    v = scratch[lane] if lane < cuda.blockDim.x // 32 else float32(-math.inf)
+    v = warp_max(v)
+    cuda.syncthreads()
+    return v
+
+
+# ---- kernels ----
+
+def _make_embedding(to_f32):
+    @cuda.jit
+    def embedding_rows(table, ids, out):
+        """out[t, j] = table[ids[t], j]: one thread per output element."""
+        i = cuda.grid(1)
+        d = out.shape[1]
+        if i < out.shape[0] * d:
+            t, j = i // d, i % d
+            out[t, j] = to_f32(table[ids[t], j])
+
+    return embedding_rows
+
+
+def _make_rms_norm(to_f32):
+    @cuda.jit
+    def rms_norm_rows(x, w, eps, out):
+        """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w: one block per row r."""
+        scratch = cuda.shared.array(32, dtype=float32)
+        r = cuda.blockIdx.x
+        d = x.shape[1]
+        sum_sq = float32(0)
+        for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+            sum_sq += x[r, j] * x[r, j]
+        sum_sq = block_sum(sum_sq, scratch)
+        rms = float32(math.sqrt(sum_sq / float32(d) + eps))
+        for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+            out[r, j] = x[r, j] / rms * to_f32(w[j])
+
+    return rms_norm_rows
+
+
+_EMBEDDING = for_weight_dtypes(_make_embedding)
+_RMS_NORM = for_weight_dtypes(_make_rms_norm)
+
+
+@cuda.jit
+def rope_pairs(x, cos, sin, positions):
+    """In place, one thread per pair (t, head, i < hd/2): (a, b) = x[t, head, i], x[t, head, i + hd/2] becomes
+    (a c - b s, a s + b c) with c, s = cos, sin[positions[t], i]."""
+    k = cuda.grid(1)
+    n_heads, half = x.shape[1], x.shape[2] // 2
+    if k < x.shape[0] * n_heads * half:
+        t, rest = k // (n_heads * half), k % (n_heads * half)
+        h, i = rest // half, rest % half
+        c, s = cos[positions[t], i], sin[positions[t], i]
+        a, b = x[t, h, i], x[t, h, i + half]
+        x[t, h, i] = a * c - b * s
+        x[t, h, i + half] = a * s + b * c
+
+
+@cuda.jit
+def silu_mul_flat(gate, up, out):
+    """out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g))."""
+    i = cuda.grid(1)
+    if i < out.size:
+        g = gate[i]
+        out[i] = g / (float32(1) + float32(math.exp(-g))) * up[i]
+
+
+@cuda.jit
+def add_flat(a, b, out):
+    """out[i] = a[i] + b[i] (out may be a or b)."""
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = a[i] + b[i]
+
+
+# ---- host wrappers ----
+
+def _blocks(n: int, threads: int) -> int:
+    return max(1, -(-n // threads))
+
+
+def _out(out, shape, stream):
+    return cuda.device_array(shape, np.float32, stream=stream) if out is None else out
+
+
+def embedding(table, ids, out=None, stream=0):
+    """table [V, d] float32 or bf16 (uint16), ids [T] int32 (each in [0, V), unchecked) -> out [T, d] float32."""
+    T, d = ids.shape[0], table.shape[1]
+    out = _out(out, (T, d), stream)
+    pick(_EMBEDDING, table)[_blocks(T * d, THREADS), THREADS, stream](table, ids, out)
+    return out
+
+
+def rms_norm(x, w, eps, out=None, stream=0):
+    """x [T, d] float32, w [d] float32 or bf16 (uint16), eps -> out [T, d] float32 (may be x)."""
+    out = _out(out, x.shape, stream)
+    pick(_RMS_NORM, w)[x.shape[0], NORM_THREADS, stream](x, w, np.float32(eps), out)
+    return out
+
+
+def rope(x, cos, sin, positions, stream=0):
+    """x [T, heads, hd] float32, rotated in place; cos, sin [n_positions, hd/2] float32 tables indexed by
+    positions [T] int32 (Hugging Face pairing: i with i + hd/2). Returns x."""
+    n = x.shape[0] * x.shape[1] * (x.shape[2] // 2)
+    rope_pairs[_blocks(n, THREADS), THREADS, stream](x, cos, sin, positions)
+    return x
+
+
+def silu_mul(gate, up, out=None, stream=0):
+    """gate, up [T, d_ff] float32 (any equal shapes, C-contiguous) -> out = silu(gate) * up, same shape."""
+    out = _out(out, gate.shape, stream)
+    silu_mul_flat[_blocks(out.size, THREADS), THREADS, stream](gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    return out
+
+
+def add(a, b, out=None, stream=0):
+    """a, b [T, d] float32 (any equal shapes, C-contiguous) -> out = a + b (the residual add; out may be a)."""
+    out = _out(out, a.shape, stream)
+    add_flat[_blocks(out.size, THREADS), THREADS, stream](a.reshape(-1), b.reshape(-1), out.reshape(-1))
+    return out

@@ -1,0 +1,136 @@
+"""The generator: sampling, stop tokens, streaming, errors; and the command line."""
+
+import numpy as np
+import pytest
+
+import course_lib
+from course_lib import generate
+from course_lib.__main__ import main
+from course_lib.generate import BACKENDS, sample
+from course_lib.model import save_hf_dir
+
+
+class Scripted:
+    """A backend that makes the model 'say' a fixed sequence of token ids."""
+
+    name = "scripted"
+    script: list[int] = []
+
+    def __init__(self, model, capacity):
+        self.vocab, self.i = model.config.vocab_size, 0
+
+    def _next(self):
+        logits = np.zeros(self.vocab, np.float32)
+        logits[self.script[min(self.i, len(self.script) - 1)]] = 10.0
+        self.i += 1
+        return logits
+
+    def prefill(self, ids):
+        return self._next()
+
+    def decode(self, token):
+        return self._next()
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "scripted", Scripted)
+    return Scripted
+
+
+def test_greedy_is_argmax_lowest_id_on_ties():
+    logits = np.array([0.0, 3.0, 1.0, 3.0], np.float32)
+    assert sample(logits, 0.0, None, None, np.random.default_rng(0)) == 1
+
+
+def test_sampling_distribution_and_filters():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(1)
+    draws = np.array([sample(logits, 1.0, None, None, rng) for _ in range(4000)])
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    assert set(sample(logits, 1.0, 2, None, rng) for _ in range(300)) == {0, 1}  # top-k keeps 2 tokens
+    assert set(sample(logits, 1.0, None, 0.75, rng) for _ in range(300)) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert set(sample(logits, 1.0, None, 0.5, rng) for _ in range(100)) == {0}  # 0.5 alone reaches 0.5
+    assert set(sample(logits, 1.0, 1, None, rng) for _ in range(50)) == {0}  # top_k=1 is greedy
+    cold = np.array([sample(logits, 0.2, None, None, rng) for _ in range(500)])
+    assert np.mean(cold == 0) > 0.85  # a low temperature sharpens the distribution
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    kw = dict(max_new_tokens=20, temperature=1.0, top_p=0.95, stop=False, backend="numpy")
+    a = generate(tiny, "Hello", seed=3, **kw)
+    assert a.token_ids == generate(tiny, "Hello", seed=3, **kw).token_ids
+    assert a.token_ids != generate(tiny, "Hello", seed=4, **kw).token_ids
+
+
+def test_stops_on_end_token_and_excludes_it_from_text(tiny, scripted):
+    tok = tiny.tokenizer
+    scripted.script = tok.encode("ok") + [tok.eos_id] + tok.encode("never")
+    out = generate(tiny, "Hi", max_new_tokens=10, backend="scripted")
+    assert out.stop_reason == "stop_token"
+    assert out.token_ids == tok.encode("ok") + [tok.eos_id]
+    assert out.text == "ok"
+    full = generate(tiny, "Hi", max_new_tokens=6, backend="scripted", stop=False)
+    assert full.stop_reason == "max_new_tokens" and len(full.token_ids) == 6
+
+
+def test_streaming_emits_whole_characters(tiny, scripted):
+    text = "héllo 🙂 wörld"
+    scripted.script = tiny.tokenizer.encode(text) + [tiny.tokenizer.eos_id]
+    pieces = []
+    out = generate(tiny, "Hi", max_new_tokens=40, backend="scripted", stream=pieces.append)
+    assert "".join(pieces) == out.text == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_prompt_uses_template(tiny):
+    out = generate(tiny, "Hi", chat=True, max_new_tokens=2, backend="numpy")
+    assert tiny.tokenizer.decode(out.prompt_ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_timing_fields(tiny):
+    out = generate(tiny, "Hello", max_new_tokens=8, stop=False, backend="numpy")
+    assert len(out.step_s) == 7 and out.decode_s > 0 and out.tokens_per_s > 0 and out.decode_tokens_per_s > 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt=[]), "prompt is empty"),
+    (dict(prompt=[1, 9999]), "out of range"),
+    (dict(prompt=[-1]), "out of range"),
+    (dict(prompt=[1] * 250, max_new_tokens=10), "exceed the model's context of 256"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(backend="tpu"), "unknown backend"),
+    (dict(prompt=[1, 2], chat=True), "chat=True needs a text prompt"),
+])
+def test_bad_input_is_a_clear_error(tiny, kwargs, match):
+    args = dict(prompt="Hello", max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(tiny, args.pop("prompt"), **args)
+
+
+def test_cli_generate_and_info(tmp_path, tiny, capsys):
+    save_hf_dir(tiny, str(tmp_path))
+    assert main(["generate", "Hello", "--model", str(tmp_path), "--max-new-tokens", "5", "--backend", "numpy"]) == 0
+    out = capsys.readouterr()
+    assert "tokens/s" in out.out and "numpy backend" in out.out
+    assert main(["info", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"mode: {course_lib.mode()}" in out and f"parameters: {tiny.config.n_params():,}" in out
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    assert main(["generate", "Hello", "--model", str(tmp_path / "missing.gguf")]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_param_count_matches_the_weights(tiny, tiny_qwen, smollm):
+    for model in (tiny, tiny_qwen, smollm):
+        assert model.config.n_params() == sum(a.size for _, a in model.weights.arrays())
+    assert smollm.config.n_params() == 134_515_008
