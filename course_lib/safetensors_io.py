@@ -43,21 +43,28 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _NUMPY_DTYPES.get(info["dtype"])
+        try:
+            dtype_name, shape, (start, end) = info["dtype"], [int(n) for n in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupt safetensors header entry for tensor {name}: {info!r}") from None
+        dtype = _NUMPY_DTYPES.get(dtype_name)
         if dtype is None:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype_name}")
         if end > len(data):
             raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-        arr = data[start:end].view(dtype).reshape(info["shape"])
-        if info["dtype"] == "BF16":
+        if end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise ValueError(f"{path}: tensor {name}: shape {shape} does not match its {end - start} bytes")
+        arr = data[start:end].view(dtype).reshape(shape)
+        if dtype_name == "BF16":
             arr = bf16_to_f32(arr)
-        elif info["dtype"] == "F16":
+        elif dtype_name == "F16":
             arr = arr.astype(np.float32)
         out[name] = arr
     return out
@@ -70,7 +77,8 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], bf16: bool = Fa
     """
     header, blobs, offset = {}, [], 0
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        arr = np.asarray(arr, dtype=np.float32)
+        arr = arr if arr.flags.c_contiguous else arr.copy()  # (np.ascontiguousarray would make 0-d arrays 1-d)
         blob = f32_to_bf16(arr) if bf16 else arr
         nbytes = blob.nbytes
         header[name] = {"dtype": "BF16" if bf16 else "F32", "shape": list(arr.shape),

@@ -80,7 +80,7 @@ class Tokenizer:
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         tok.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
         tok.decoder = decoders.ByteLevel()
-        types = fields.get("tokenizer.ggml.token_type", [])
+        types = fields.get("tokenizer.ggml.token_type") or [0] * len(tokens)
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types, strict=True) if ty == _GGUF_CONTROL])
         return cls(tok, fields.get("tokenizer.chat_template"), fields.get("tokenizer.ggml.bos_token_id"),

@@ -9,6 +9,7 @@ token list and merges.
 
 import random
 import unicodedata
+from itertools import pairwise
 
 import pytest
 
@@ -104,7 +105,7 @@ def bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 class RefBPE:
@@ -117,7 +118,7 @@ class RefBPE:
         self.re = pytest.importorskip("regex", reason="the independent BPE needs the `regex` package (\\p{L})")
         self.vocab = {t: i for i, t in enumerate(tokens)}
         self.ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
-        self.specials = {t for t, ty in zip(tokens, token_types) if ty == 3}
+        self.specials = {t for t, ty in zip(tokens, token_types, strict=True) if ty == 3}
         alternatives = "|".join(self.re.escape(t) for t in sorted(self.specials, key=len, reverse=True))
         self.special_split = self.re.compile(f"({alternatives})")
         self.digit_split = self.re.compile(r"\p{N}|[^\p{N}]+")
@@ -127,7 +128,7 @@ class RefBPE:
     def bpe(self, word: str) -> list[str]:
         parts = list(word)
         while len(parts) > 1:
-            rank, i = min((self.ranks.get(pair, float("inf")), i) for i, pair in enumerate(zip(parts, parts[1:])))
+            rank, i = min((self.ranks.get(pair, float("inf")), i) for i, pair in enumerate(pairwise(parts)))
             if rank == float("inf"):
                 break
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
@@ -171,7 +172,7 @@ def test_round_trip(tok, text):
 def test_every_digit_is_its_own_token(tok, text):
     ids = tok.encode(text)
     pieces = [tok.decode([i]) for i in ids]
-    for i, piece in zip(ids, pieces):
+    for i, piece in zip(ids, pieces, strict=True):
         if any(_is_number_char(ch) for ch in piece):
             assert len(piece) == 1, f"token {i} {tok.token_text(i)!r} holds a digit and more in {text!r}: {pieces}"
     # Token boundaries in bytes: every number character starts and ends on one (a multi-byte one like "²" may
