@@ -58,14 +58,20 @@ class NumpyBackend:
         return reference.forward(self.model.weights, self.model.config, np.asarray([token]), self.cache, self.rope)
 
 
-BACKENDS = {"numpy": NumpyBackend}
+def _cuda_backend(model: Model, capacity: int):
+    from .cuda_backend import CudaBackend  # imported on demand: it loads Numba's CUDA support
+
+    return CudaBackend(model, capacity)
+
+
+BACKENDS = {"numpy": NumpyBackend, "cuda": _cuda_backend}
 
 
 def _backend_class(name: str):
     if name == "auto":
         from .device import gpu_available
 
-        name = "cuda" if gpu_available() and "cuda" in BACKENDS else "numpy"
+        name = "cuda" if gpu_available() else "numpy"
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (available: auto, {', '.join(BACKENDS)})")
     return BACKENDS[name]

@@ -116,3 +116,15 @@ def from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig) -> Weig
         final_norm=get("model.norm.weight", (c.d_model,)),
         lm_head=lm_head,
     )
+
+
+def round_to_bf16(w: Weights) -> Weights:
+    """The same weights rounded to bf16 (kept as float32): what a backend with bf16 weights computes with,
+    so that the reference run on them is its exact counterpart. Norm weights stay float32, as on the GPU."""
+    from .safetensors_io import bf16_to_f32, f32_to_bf16
+
+    def r(a):
+        return None if a is None else (a if a.ndim == 1 else bf16_to_f32(f32_to_bf16(a)))
+
+    layers = [LayerWeights(**{f.name: r(getattr(lw, f.name)) for f in fields(LayerWeights)}) for lw in w.layers]
+    return Weights(embed=r(w.embed), layers=layers, final_norm=w.final_norm, lm_head=r(w.lm_head))

@@ -7,6 +7,9 @@ kernel module takes `cuda` from here (`from course_lib.kernels import cuda`) and
 Weights are stored either as float32 or as bf16 bit patterns (uint16). A kernel that reads weights is written
 once, as a factory taking the device function that turns one stored weight into float32, and compiled for both
 storage types by `for_weight_dtypes`; `pick` chooses the specialization for an array.
+
+Host wrappers launch on `stream`, or through `rt` when given (a `course_lib.runtime.Runtime`, which counts
+allocations and launches and can profile them): see `launch` and `empty`.
 """
 
 import os
@@ -24,6 +27,12 @@ if SIMULATOR:
     from . import _sim
 
     _sim.install()
+
+
+def sized(gpu: int, simulator: int) -> int:
+    """A block dimension: `gpu` on a GPU, the smaller `simulator` in the simulator, where every CUDA thread is a
+    Python thread and every barrier a Python barrier (the same code runs; only the launch geometry shrinks)."""
+    return simulator if SIMULATOR else gpu
 
 
 @cuda.jit(device=True)
@@ -54,4 +63,18 @@ def pick(kernels: dict, w):
         raise TypeError(f"weights must be float32 or bf16 stored as uint16, got {w.dtype}") from None
 
 
-__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cuda", "f32_weight", "for_weight_dtypes", "pick"]
+def launch(kernel, grid, block, stream, rt, *args):
+    """kernel[grid, block, stream](*args), or rt.launch(name, kernel, grid, block, *args) when a Runtime is given."""
+    if rt is None:
+        kernel[grid, block, stream](*args)
+    else:
+        rt.launch(kernel.py_func.__name__, kernel, grid, block, *args)
+
+
+def empty(shape, dtype=np.float32, stream=0, rt=None):
+    """A new device array (from rt.empty, which counts it, when a Runtime is given)."""
+    return cuda.device_array(shape, dtype, stream=stream) if rt is None else rt.empty(shape, dtype)
+
+
+__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cuda", "empty", "f32_weight", "for_weight_dtypes",
+           "launch", "pick", "sized"]

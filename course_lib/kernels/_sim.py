@@ -12,6 +12,11 @@ The simulator runs every CUDA thread of a block as a Python thread and hands eac
 
 A lane that never arrives (it returned early, or waits at `syncthreads`) breaks the barrier after
 `BARRIER_TIMEOUT_S` and the kernel fails with `BrokenBarrierError` instead of hanging.
+
+It also replaces the simulator's block scheduler. The stock one polls its threads in a busy loop to find out
+when all of them wait at `syncthreads`, and that loop competes for the GIL with the threads doing the work
+(a 16-thread matmul block took ~0.9 s). Here the threads tell the scheduler through a condition variable
+when they block or finish, and it sleeps in between: the same semantics, 4 to 10 times faster.
 """
 
 from __future__ import annotations
@@ -105,13 +110,77 @@ _POLYFILLS = {
 }
 
 
+def _run_block(self, grid_point, *args):
+    """BlockManager.run: start the block's threads; release them together when all live ones wait at
+    syncthreads; re-raise the first exception; return when all have finished."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    wake = threading.Condition()
+    threads = [BlockThread(lambda: self._f(*args), self, grid_point, point, self._debug)
+               for point in np.ndindex(*self._block_dim)]
+    for t in threads:
+        t.wake = wake
+        t.start()
+    live = threads
+    with wake:
+        while live:
+            failed = next((t for t in threads if t.exception), None)
+            if failed is not None:
+                for t in threads:
+                    t.abort, t.syncthreads_blocked = True, False
+                    t.syncthreads_event.set()
+                raise failed.exception[0].with_traceback(failed.exception[1])
+            live = [t for t in live if t.is_alive()]
+            if live and all(t.syncthreads_blocked for t in live):
+                for t in live:
+                    t.syncthreads_blocked = False
+                    t.syncthreads_event.set()
+            elif live:
+                wake.wait(0.05)  # woken by a thread that blocks or ends; the timeout is only a safety net
+    for t in threads:
+        t.join()
+        if t.exception:
+            raise t.exception[0].with_traceback(t.exception[1])
+
+
+def _syncthreads(self):
+    """BlockThread.syncthreads: mark this thread blocked, wake the scheduler, wait to be released."""
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    with self.wake:
+        self.syncthreads_blocked = True
+        self.wake.notify()
+    self.syncthreads_event.wait()
+    self.syncthreads_event.clear()
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
+
+
+def _thread_body(original_run):
+    def run(self):
+        """BlockThread.run, then wake the scheduler: this thread has ended."""
+        try:
+            original_run(self)
+        finally:
+            with self.wake:
+                self.wake.notify()
+
+    return run
+
+
 def install() -> None:
-    """Add the polyfills to the simulator's fake `cuda` module (only those it lacks); safe to call again."""
+    """Add the polyfills to the simulator's fake `cuda` module (only those it lacks) and install the faster
+    block scheduler; safe to call again."""
+    from numba.cuda.simulator import kernel
     from numba.cuda.simulator.kernelapi import FakeCUDAModule
 
     for name, value in _POLYFILLS.items():
         if not hasattr(FakeCUDAModule, name):
             setattr(FakeCUDAModule, name, value)
+    if kernel.BlockManager.run is not _run_block:
+        kernel.BlockThread.run = _thread_body(kernel.BlockThread.run)
+        kernel.BlockThread.syncthreads = _syncthreads
+        kernel.BlockManager.run = _run_block
 
 
 def installed() -> bool:

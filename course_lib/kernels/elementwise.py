@@ -9,10 +9,10 @@ import math
 import numpy as np
 from numba import float32
 
-from course_lib.kernels import cuda, for_weight_dtypes, pick
+from course_lib.kernels import cuda, empty, for_weight_dtypes, launch, pick, sized
 
-THREADS = 256  # threads per block of the flat (one thread per element) kernels
-NORM_THREADS = 256  # threads per block of rms_norm (one block per row); a multiple of 32
+THREADS = sized(256, 64)  # threads per block of the flat (one thread per element) kernels
+NORM_THREADS = sized(256, 32)  # threads per block of rms_norm (one block per row); a multiple of 32
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -135,48 +135,45 @@ def add_flat(a, b, out):
         out[i] = a[i] + b[i]
 
 
-# ---- host wrappers ----
+# ---- host wrappers (stream: a CUDA stream; rt: a course_lib.runtime.Runtime, used instead when given) ----
 
 def _blocks(n: int, threads: int) -> int:
     return max(1, -(-n // threads))
 
 
-def _out(out, shape, stream):
-    return cuda.device_array(shape, np.float32, stream=stream) if out is None else out
-
-
-def embedding(table, ids, out=None, stream=0):
+def embedding(table, ids, out=None, stream=0, rt=None):
     """table [V, d] float32 or bf16 (uint16), ids [T] int32 (each in [0, V), unchecked) -> out [T, d] float32."""
     T, d = ids.shape[0], table.shape[1]
-    out = _out(out, (T, d), stream)
-    pick(_EMBEDDING, table)[_blocks(T * d, THREADS), THREADS, stream](table, ids, out)
+    out = empty((T, d), np.float32, stream, rt) if out is None else out
+    launch(pick(_EMBEDDING, table), _blocks(T * d, THREADS), THREADS, stream, rt, table, ids, out)
     return out
 
 
-def rms_norm(x, w, eps, out=None, stream=0):
+def rms_norm(x, w, eps, out=None, stream=0, rt=None):
     """x [T, d] float32, w [d] float32 or bf16 (uint16), eps -> out [T, d] float32 (may be x)."""
-    out = _out(out, x.shape, stream)
-    pick(_RMS_NORM, w)[x.shape[0], NORM_THREADS, stream](x, w, np.float32(eps), out)
+    out = empty(x.shape, np.float32, stream, rt) if out is None else out
+    launch(pick(_RMS_NORM, w), x.shape[0], NORM_THREADS, stream, rt, x, w, np.float32(eps), out)
     return out
 
 
-def rope(x, cos, sin, positions, stream=0):
+def rope(x, cos, sin, positions, stream=0, rt=None):
     """x [T, heads, hd] float32, rotated in place; cos, sin [n_positions, hd/2] float32 tables indexed by
     positions [T] int32 (Hugging Face pairing: i with i + hd/2). Returns x."""
     n = x.shape[0] * x.shape[1] * (x.shape[2] // 2)
-    rope_pairs[_blocks(n, THREADS), THREADS, stream](x, cos, sin, positions)
+    launch(rope_pairs, _blocks(n, THREADS), THREADS, stream, rt, x, cos, sin, positions)
     return x
 
 
-def silu_mul(gate, up, out=None, stream=0):
+def silu_mul(gate, up, out=None, stream=0, rt=None):
     """gate, up [T, d_ff] float32 (any equal shapes, C-contiguous) -> out = silu(gate) * up, same shape."""
-    out = _out(out, gate.shape, stream)
-    silu_mul_flat[_blocks(out.size, THREADS), THREADS, stream](gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    out = empty(gate.shape, np.float32, stream, rt) if out is None else out
+    flat = (gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    launch(silu_mul_flat, _blocks(out.size, THREADS), THREADS, stream, rt, *flat)
     return out
 
 
-def add(a, b, out=None, stream=0):
+def add(a, b, out=None, stream=0, rt=None):
     """a, b [T, d] float32 (any equal shapes, C-contiguous) -> out = a + b (the residual add; out may be a)."""
-    out = _out(out, a.shape, stream)
-    add_flat[_blocks(out.size, THREADS), THREADS, stream](a.reshape(-1), b.reshape(-1), out.reshape(-1))
+    out = empty(a.shape, np.float32, stream, rt) if out is None else out
+    launch(add_flat, _blocks(out.size, THREADS), THREADS, stream, rt, a.reshape(-1), b.reshape(-1), out.reshape(-1))
     return out

@@ -1,0 +1,64 @@
+"""Benchmarks: the copy bandwidth of this GPU, and decode speed against the bound it implies.
+
+Used by `python -m course_lib bench` and the notebooks; never by the tests (timings are not assertions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import accounting
+from .kernels import cuda
+from .kernels import copy as k_copy
+from .profiler import profile_decode, time_decode
+
+
+def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of `repeats` copies of
+    n_bytes, timed with CUDA events; random data, never zeros)."""
+    n = n_bytes // 4
+    src = cuda.to_device(np.random.default_rng(0).standard_normal(n, dtype=np.float32))
+    dst = cuda.device_array(n, np.float32)
+    k_copy.copy(src, dst)  # warm-up: compile and load
+    times = []
+    for _ in range(repeats):
+        start, end = cuda.event(), cuda.event()
+        start.record()
+        k_copy.copy(src, dst)
+        end.record()
+        end.synchronize()
+        times.append(cuda.event_elapsed_time(start, end) / 1e3)
+    assert np.array_equal(dst[:1024].copy_to_host(), src[:1024].copy_to_host())
+    return 2 * n * 4 / float(np.median(times))
+
+
+def bench_decode(model, bandwidth: float, weights: str = "bf16", context: int = 64, steps: int = 50,
+                 fast_launch: bool = True) -> dict:
+    """Decode speed of the CUDA backend after a prompt of `context` tokens; one row of the bench table."""
+    from .cuda_backend import CudaBackend
+
+    c = model.config
+    ids = np.random.default_rng(1).integers(0, c.vocab_size, context)
+    backend = CudaBackend(model, context + steps + 2, weights=weights, fast_launch=fast_launch)
+    token = int(np.argmax(backend.prefill(ids)))
+    backend.decode(token)  # warm-up
+    step = profile_decode(backend, token)
+    ms = time_decode(backend, token, steps)
+    wbytes = 2 if weights == "bf16" else 4
+    moved = accounting.decode_cost(c, context + steps // 2, weight_bytes=wbytes).bytes
+    bound = accounting.tokens_per_s_bound(c, bandwidth, context + steps // 2, weight_bytes=wbytes)
+    return {"weights": weights, "launch": "fast" if fast_launch else "dispatcher", "tokens_per_s": 1e3 / ms,
+            "ms_per_token": ms, "GB_per_s": moved / (ms / 1e3) / 1e9, "bound_tokens_per_s": bound,
+            "percent_of_bound": 100 * (1e3 / ms) / bound, "kernels_per_token": step.launches,
+            "allocations_per_token": step.allocations, "busy_fraction": step.busy_fraction, "profile": step}
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'weights':<8}{'launch':<11}{'tok/s':>9}{'ms/tok':>9}{'GB/s':>9}{'bound tok/s':>13}{'% bound':>9}"
+            f"{'kernels/tok':>12}{'allocs/tok':>11}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['weights']:<8}{r['launch']:<11}{r['tokens_per_s']:>9.1f}{r['ms_per_token']:>9.3f}"
+                     f"{r['GB_per_s']:>9.1f}{r['bound_tokens_per_s']:>13.0f}{r['percent_of_bound']:>8.2f}%"
+                     f"{r['kernels_per_token']:>12}{r['allocations_per_token']:>11}")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""The CUDA backend: the forward pass of reference.py, op by op, as Numba CUDA kernels.
+
+The baseline mirrors a training-oriented engine, so the course starts from a real, honest starting point:
+every projection is the 64x64-tile matmul, the KV cache grows by concatenation (a fresh allocation and a copy
+of the whole cache each token), every intermediate is a fresh device allocation, the bias is a separate
+kernel, and the logits go through an explicit transpose of the embedding table. The token ids and positions
+of a pass live in device arrays (read by the kernels), not in Python scalars.
+
+Weights: float32 or bf16 (stored as uint16, widened to float32 in the kernels); activations always float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference
+from .kernels import attention as k_attention
+from .kernels import copy as k_copy
+from .kernels import elementwise as k_elt
+from .kernels import matmul as k_matmul
+from .model import Model
+from .runtime import Runtime
+from .safetensors_io import f32_to_bf16
+
+
+def upload_weights(model: Model, rt: Runtime, dtype: str) -> dict:
+    """{name: device array}: matrices and the embedding table in `dtype` ('f32' or 'bf16'), norms in float32."""
+    if dtype not in ("f32", "bf16"):
+        raise ValueError(f"weight dtype must be 'f32' or 'bf16', got {dtype!r}")
+
+    def put(arr, keep_f32=False):
+        host = arr if keep_f32 or dtype == "f32" else f32_to_bf16(arr)
+        return rt.to_device(host)
+
+    w = model.weights
+    out = {"embed": put(w.embed), "final_norm": put(w.final_norm, True),
+           "lm_head": None if w.lm_head is None else put(w.lm_head), "layers": []}
+    for lw in w.layers:
+        out["layers"].append({
+            name: (None if value is None else put(value, keep_f32=value.ndim == 1))
+            for name, value in vars(lw).items()
+        })
+    return out
+
+
+class CudaBackend:
+    """Baseline CUDA backend for one sequence. prefill(ids) / decode(token) -> logits [V] (host, float32)."""
+
+    name = "cuda"
+
+    def __init__(self, model: Model, capacity: int, weights: str = "bf16", fast_launch: bool = True):
+        self.model, self.config = model, model.config
+        self.rt = Runtime(fast=fast_launch)
+        self.weights_dtype = weights
+        self.w = upload_weights(model, self.rt, weights)
+        cos, sin = reference.rope_tables(self.config, capacity)
+        self.cos, self.sin = self.rt.to_device(cos), self.rt.to_device(sin)
+        self.capacity = capacity
+        self.length = 0
+        self.k_cache = [None] * self.config.n_layers  # [S, d_kv] per layer, grown by concatenation
+        self.v_cache = [None] * self.config.n_layers
+        self.rt.allocations = 0  # count what the passes allocate, not the upload
+
+    def prefill(self, ids) -> np.ndarray:
+        return self.forward(np.asarray(ids, np.int32))
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.forward(np.asarray([token], np.int32))
+
+    def _grow(self, cache, new_rows):
+        """Baseline cache append: allocate [S + T, d_kv], copy the old rows and the new ones (every token)."""
+        rt = self.rt
+        old_rows = 0 if cache is None else cache.shape[0]
+        grown = rt.empty((old_rows + new_rows.shape[0], new_rows.shape[1]))
+        flat = grown.reshape(grown.size)
+        if cache is not None:
+            k_copy.copy(cache.reshape(cache.size), flat[: cache.size], rt=rt)
+        k_copy.copy(new_rows.reshape(new_rows.size), flat[old_rows * new_rows.shape[1]:], rt=rt)
+        return grown
+
+    def forward(self, ids: np.ndarray) -> np.ndarray:
+        """ids [T] int32 after the cached positions -> logits [V] of the last token (copied to the host)."""
+        c, rt, w = self.config, self.rt, self.w
+        T, start = len(ids), self.length
+        if start + T > self.capacity:
+            raise ValueError(f"the KV cache holds {self.capacity} positions; {start} used + {T} new do not fit")
+        ids_d = rt.to_device(ids)
+        pos_d = rt.to_device(np.arange(start, start + T, dtype=np.int32))
+        x = k_elt.embedding(w["embed"], ids_d, rt=rt)
+        for i, lw in enumerate(w["layers"]):
+            h = k_elt.rms_norm(x, lw["attn_norm"], c.rms_eps, rt=rt)
+            q, k, v = (self._linear(h, lw[m], lw[b]) for m, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+            k_elt.rope(q.reshape(T, c.n_heads, c.head_dim), self.cos, self.sin, pos_d, rt=rt)
+            k_elt.rope(k.reshape(T, c.n_kv_heads, c.head_dim), self.cos, self.sin, pos_d, rt=rt)
+            self.k_cache[i] = self._grow(self.k_cache[i], k)
+            self.v_cache[i] = self._grow(self.v_cache[i], v)
+            S = start + T
+            a = k_attention.attention(q.reshape(T, c.n_heads, c.head_dim),
+                                      self.k_cache[i].reshape(S, c.n_kv_heads, c.head_dim),
+                                      self.v_cache[i].reshape(S, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
+            x = k_elt.add(x, self._linear(a.reshape(T, c.d_model), lw["wo"]), rt=rt)
+            h = k_elt.rms_norm(x, lw["mlp_norm"], c.rms_eps, rt=rt)
+            gate, up = self._linear(h, lw["w_gate"]), self._linear(h, lw["w_up"])
+            x = k_elt.add(x, self._linear(k_elt.silu_mul(gate, up, rt=rt), lw["w_down"]), rt=rt)
+        self.length = start + T
+        h = k_elt.rms_norm(x[T - 1:], w["final_norm"], c.rms_eps, rt=rt)
+        head = w["lm_head"] if w["lm_head"] is not None else k_matmul.transpose(w["embed"], rt=rt)
+        logits = k_matmul.matmul(h, head, rt=rt)
+        return logits.copy_to_host()[0]
+
+    def _linear(self, x, weight, bias=None):
+        """x @ weight, then + bias in a separate kernel (the baseline's unfused bias)."""
+        y = k_matmul.matmul(x, weight, rt=self.rt)
+        return y if bias is None else k_matmul.add_bias(y, bias, rt=self.rt)

@@ -1,0 +1,27 @@
+"""A plain copy, to measure the memory bandwidth the other kernels should be compared with."""
+
+import numpy as np
+
+from course_lib.kernels import cuda, empty, launch
+
+THREADS = 256  # threads per block
+MAX_BLOCKS = 132 * 8  # grid cap: 8 blocks per SM of an H200; the grid-stride loop covers the rest
+
+
+@cuda.jit
+def copy_grid_stride(src, dst):
+    """dst[i] = src[i] for all i: thread g copies g, g + gridsize, g + 2 gridsize, ..."""
+    for i in range(cuda.grid(1), src.size, cuda.gridsize(1)):
+        dst[i] = src[i]
+
+
+def copy(src, dst=None, blocks=None, stream=0, rt=None):
+    """src [n] float32 -> dst [n] float32. blocks: grid size (default: enough for one element per thread, at
+    most MAX_BLOCKS). Launches on stream, or through rt (a course_lib.runtime.Runtime) when given."""
+    dst = empty(src.shape, np.float32, stream, rt) if dst is None else dst
+    if dst.shape != src.shape:
+        raise ValueError(f"copy: src {src.shape}, dst {dst.shape}")
+    if blocks is None:
+        blocks = max(1, min(MAX_BLOCKS, -(-src.size // THREADS)))
+    launch(copy_grid_stride, blocks, THREADS, stream, rt, src, dst)
+    return dst

@@ -1,0 +1,94 @@
+"""Profiling a decode step: per-kernel GPU time from CUDA events, launches and allocations per token, the
+fraction of wall time the GPU is busy, and a timeline plot.
+
+Events around every launch cost time themselves, so the undisturbed rate is measured separately, without them
+(`time_decode`). In the simulator the "GPU time" is host time: only the counts are meaningful there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .runtime import Profile
+
+
+@dataclass
+class StepProfile:
+    """One decode step. kernels: [(name, start ms, end ms)] relative to the step's first launch."""
+
+    kernels: list[tuple[str, float, float]]
+    wall_ms: float
+    launches: int
+    allocations: int
+
+    @property
+    def gpu_ms(self) -> float:
+        return sum(e - s for _, s, e in self.kernels)
+
+    @property
+    def busy_fraction(self) -> float:
+        """GPU time / wall time of the step (kernels of one stream never overlap)."""
+        return self.gpu_ms / self.wall_ms
+
+    def by_kernel(self) -> list[tuple[str, int, float]]:
+        """[(kernel name, launches, total ms)], the most expensive first."""
+        totals = defaultdict(lambda: [0, 0.0])
+        for name, s, e in self.kernels:
+            totals[name][0] += 1
+            totals[name][1] += e - s
+        return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
+
+    def table(self) -> str:
+        lines = [f"{'kernel':<22}{'launches':>9}{'total ms':>10}{'share':>8}"]
+        for name, count, total in self.by_kernel():
+            lines.append(f"{name:<22}{count:>9}{total:>10.3f}{total / self.gpu_ms:>8.1%}")
+        lines.append(f"{'all kernels':<22}{self.launches:>9}{self.gpu_ms:>10.3f}")
+        lines.append(f"wall time of the step {self.wall_ms:.3f} ms; GPU busy {self.busy_fraction:.0%}; "
+                     f"{self.allocations} device allocations")
+        return "\n".join(lines)
+
+
+def profile_decode(backend, token: int) -> StepProfile:
+    """Run one decode step of `backend` with a CUDA event pair around every launch."""
+    rt = backend.rt
+    rt.synchronize()
+    launches, allocations = rt.launches, rt.allocations
+    rt.profile = Profile()
+    t0 = time.perf_counter()
+    try:
+        backend.decode(token)
+        rt.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        kernels = rt.profile.timeline()
+    finally:
+        rt.profile = None
+    return StepProfile(kernels, wall_ms, rt.launches - launches, rt.allocations - allocations)
+
+
+def time_decode(backend, token: int, steps: int) -> float:
+    """Median wall ms of `steps` undisturbed decode steps (no events), each ending with its logits on the host."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        backend.decode(token)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def plot_timeline(ax, step: StepProfile, title: str = ""):
+    """One bar per kernel on a time axis (ms), one row per kernel name, in order of first appearance."""
+    names = list(dict.fromkeys(n for n, _, _ in step.kernels))
+    row = {n: i for i, n in enumerate(names)}
+    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
+    for name, s, e in step.kernels:
+        ax.barh(row[name], max(e - s, 1e-4), left=s, height=0.8, color=colors[name])
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the step's first launch (ms)")
+    ax.set_xlim(0, max(step.wall_ms, max((e for _, _, e in step.kernels), default=0)))
+    ax.set_title(title or f"one decode step: {step.launches} launches, GPU busy {step.busy_fraction:.0%}")
+    return ax

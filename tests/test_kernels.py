@@ -1,0 +1,387 @@
+"""The baseline kernels against course_lib.reference (or NumPy), in Numba's CUDA simulator when there is no GPU.
+
+Shapes are tiny (the simulator runs each CUDA thread as a Python thread) and never multiples of the block or
+tile sizes. Weights are tried as float32 and as bf16 (uint16 bits); the reference then sees the widened float32
+values, so both sides compute with the same numbers. Every output is filled with NaN (or a sentinel) before the
+kernel runs, so an element the kernel forgets to write fails the test. Seed: KERNEL_TEST_SEED (default below).
+"""
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from course_lib import reference as R
+from course_lib.config import ModelConfig
+from course_lib.kernels import SIMULATOR, cuda, sampling
+from course_lib.kernels import attention as attn
+from course_lib.kernels import copy as copy_k
+from course_lib.kernels import elementwise as ew
+from course_lib.kernels import matmul as mm
+from course_lib.safetensors_io import bf16_to_f32, f32_to_bf16
+
+SEED = int(os.environ.get("KERNEL_TEST_SEED", "20261129"))
+U32 = 2.0**-24  # unit roundoff of float32: a rounded operation errs by at most U32 * |exact result|
+WEIGHT_DTYPES = ["f32", "bf16"]
+
+
+@pytest.fixture
+def rng(request):
+    seed = [SEED, zlib.crc32(request.node.name.encode())]
+    print(f"rng seed {seed} (set KERNEL_TEST_SEED to vary)")
+    return np.random.default_rng(seed)
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def weight(rng, dtype, *shape):
+    """(array as stored, its float32 values): float32 as is, or rounded to bf16 and kept as uint16 bits."""
+    w = randn(rng, *shape)
+    if dtype == "f32":
+        return w, w
+    bits = f32_to_bf16(w)
+    return bits, bf16_to_f32(bits)
+
+
+def dev(x):
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def poisoned(shape, dtype=np.float32):
+    """A device array full of NaN (float) or -7 (integer): unwritten elements show up."""
+    return dev(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -7, dtype))
+
+
+def dot_tolerance(a, b, c=2.0):
+    """Elementwise bound on |kernel - reference| for a @ b computed in float32 (a [..., K], b [K, N]).
+
+    Each output is a dot product of length K. Summing K rounded products in float32, in any order, errs by at
+    most about K * u * sum_i |a_i b_i| (u = 2^-24, the unit roundoff: the classic gamma_K bound of floating-point
+    summation). The kernel and the reference each commit such an error, in different orders: hence c = 2.
+    """
+    return c * a.shape[-1] * U32 * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64))
+
+
+def check(got, want, tol):
+    """No NaN, and |got - want| <= tol elementwise (tol may be a scalar or an array)."""
+    got = np.asarray(got)
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN in the output (unwritten elements?)"
+    err = np.abs(got.astype(np.float64) - want)
+    excess = err - tol
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    limit = np.broadcast_to(tol, err.shape)[worst]
+    assert (excess <= 0).all(), f"error {err[worst]:.3g} > tolerance {limit:.3g} at {worst}"
+
+
+# ---- simulator polyfills ----
+
+@cuda.jit
+def _warp_probe(out_xor, out_down, out_bits):
+    t = cuda.threadIdx.x
+    v = cuda.shfl_xor_sync(0xFFFFFFFF, t, 1)
+    cuda.syncwarp()
+    out_xor[t] = v
+    out_down[t] = cuda.shfl_down_sync(0xFFFFFFFF, t * 10, 2)
+    out_bits[t] = cuda.libdevice.int_as_float(0x3F800000 + t)
+
+
+def test_simulator_polyfills():
+    if SIMULATOR:
+        from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+        from course_lib.kernels import _sim
+
+        assert _sim.installed()
+        before = {n: FakeCUDAModule.__dict__[n] for n in ("shfl_down_sync", "shfl_xor_sync", "syncwarp")}
+        _sim.install()  # idempotent: nothing replaced
+        assert all(FakeCUDAModule.__dict__[n] is f for n, f in before.items())
+    n = 64  # two full warps (a partial warp with a full mask is undefined on the GPU)
+    out_xor, out_down, out_bits = poisoned(n, np.int32), poisoned(n, np.int32), poisoned(n)
+    _warp_probe[1, n](out_xor, out_down, out_bits)
+    t = np.arange(n)
+    np.testing.assert_array_equal(out_xor.copy_to_host(), t ^ 1)
+    np.testing.assert_array_equal(out_down.copy_to_host(), np.where(t % 32 < 30, t + 2, t) * 10)  # lanes 30, 31 keep
+    np.testing.assert_array_equal(out_bits.copy_to_host(), (0x3F800000 + t).astype(np.uint32).view(np.float32))
+
+
+# ---- matmul.py ----
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 37, 70), (3, 70, 37), (17, 37, 70)])
+def test_matmul(rng, M, K, N, dtype):
+    a = randn(rng, M, K)
+    b, b32 = weight(rng, dtype, K, N)
+    got = mm.matmul(dev(a), dev(b), out=poisoned((M, N))).copy_to_host()
+    check(got, R.linear(a, b32), dot_tolerance(a, b32))
+
+
+def test_matmul_two_row_tiles(rng):
+    a, b = randn(rng, 65, 20), randn(rng, 20, 5)
+    got = mm.matmul(dev(a), dev(b)).copy_to_host()
+    check(got, a @ b, dot_tolerance(a, b))
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_add_bias(rng, dtype):
+    c = randn(rng, 3, 70)
+    bias, bias32 = weight(rng, dtype, 70)
+    c_dev = dev(c)
+    mm.add_bias(c_dev, dev(bias))
+    np.testing.assert_array_equal(c_dev.copy_to_host(), c + bias32)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_transpose(rng, dtype):
+    x, _ = weight(rng, dtype, 33, 37)
+    out = poisoned((37, 33), x.dtype) if dtype == "f32" else dev(np.full((37, 33), 0xFFFF, np.uint16))
+    np.testing.assert_array_equal(mm.transpose(dev(x), out=out).copy_to_host(), x.T)
+
+
+def test_tied_logits_bf16(rng):
+    """The baseline logits with tied embeddings: x @ embed.T, with embed.T made by the transpose kernel."""
+    embed, embed32 = weight(rng, "bf16", 70, 37)
+    x = randn(rng, 2, 37)
+    w = R.Weights(embed=embed32, layers=[], final_norm=np.ones(37, np.float32), lm_head=None)
+    got = mm.matmul(dev(x), mm.transpose(dev(embed)), out=poisoned((2, 70))).copy_to_host()
+    check(got, R.logits(x, w), dot_tolerance(x, embed32.T))
+
+
+# ---- elementwise.py ----
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_embedding(rng, dtype):
+    table, table32 = weight(rng, dtype, 50, 37)
+    ids = np.array([49, 0, 17, 17], np.int32)
+    got = ew.embedding(dev(table), dev(ids), out=poisoned((4, 37))).copy_to_host()
+    np.testing.assert_array_equal(got, R.embedding(table32, ids))
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_rms_norm(rng, dtype):
+    d = 37
+    x = randn(rng, 3, d) * np.array([[0.01], [1.0], [30.0]], np.float32)
+    w, w32 = weight(rng, dtype, d)
+    got = ew.rms_norm(dev(x), dev(w), 1e-5, out=poisoned((3, d))).copy_to_host()
+    want = R.rms_norm(x, w32, 1e-5)
+    # sum of d squares: relative error <= d u; sqrt halves it; divide, multiply: a few u more; both sides err
+    check(got, want, 2 * (d + 8) * U32 * np.abs(want))
+
+
+def test_rms_norm_in_place(rng):
+    x, w = randn(rng, 2, 37), randn(rng, 37)
+    x_dev = dev(x)
+    ew.rms_norm(x_dev, dev(w), 1e-6, out=x_dev)
+    want = R.rms_norm(x, w, 1e-6)
+    check(x_dev.copy_to_host(), want, 2 * (37 + 8) * U32 * np.abs(want))
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_rope(rng, heads):
+    config = ModelConfig("llama", vocab_size=8, d_model=10 * heads, n_layers=1, n_heads=heads, n_kv_heads=1,
+                         d_ff=8, max_seq_len=32)
+    cos, sin = R.rope_tables(config, 32)
+    positions = np.array([3, 31, 7], np.int32)
+    x = randn(rng, 3, heads, 10)
+    x_dev = dev(x)
+    ew.rope(x_dev, dev(cos), dev(sin), dev(positions))
+    a, b = np.abs(x[..., :5]), np.abs(x[..., 5:])
+    # a c - b s: two products and a sum (|c|, |s| <= 1), possibly fused on the GPU: a few u of |a| + |b|
+    check(x_dev.copy_to_host(), R.rope(x, cos[positions], sin[positions]), 4 * U32 * np.concatenate([a + b] * 2, -1))
+
+
+def test_silu_mul(rng):
+    gate, up = randn(rng, 3, 70, scale=4.0), randn(rng, 3, 70)
+    got = ew.silu_mul(dev(gate), dev(up), out=poisoned((3, 70))).copy_to_host()
+    want = R.swiglu(gate, up)
+    # exp (<= 2 ulp on the GPU), add, divide, multiply on each side: relative error within 16 u
+    check(got, want, 16 * U32 * np.abs(want))
+
+
+def test_add(rng):
+    a, b = randn(rng, 3, 37), randn(rng, 3, 37)
+    got = ew.add(dev(a), dev(b), out=poisoned((3, 37))).copy_to_host()
+    np.testing.assert_array_equal(got, a + b)
+    a_dev = dev(a)
+    ew.add(a_dev, dev(b), out=a_dev)  # the residual add in place
+    np.testing.assert_array_equal(a_dev.copy_to_host(), a + b)
+
+
+# ---- attention.py ----
+
+def attention_tolerance(q, k, v, positions, c=2.0):
+    """Bound on |kernel - exact| for attention, per output element.
+
+    A score q.k * scale over hd terms errs by delta <= (hd + 2) u scale sum_d |q_d k_d| (dot product bound);
+    p = exp(score - max) then has relative error about 2 delta + 2 u (the max carries the same kind of error),
+    and the normalized sum of n terms p_j v_j / l adds (n + 4) u relative to sum_j p_j |v_j| / l <= max |v|.
+    """
+    T, H, hd = q.shape
+    S, Hkv, _ = k.shape
+    kv = np.arange(H) // (H // Hkv)
+    abs_scores = np.einsum("thd,shd->ths", np.abs(q), np.abs(k[:, kv])) / np.sqrt(hd)  # [T, H, S]
+    visible = np.arange(S)[None, None, :] <= positions[:, None, None]
+    delta = (hd + 2) * U32 * np.where(visible, abs_scores, 0).max(-1)  # [T, H]
+    n = (positions + 1)[:, None]
+    vmax = np.abs(v[:, kv]).max(axis=(0, 2))[None, :]  # [1, H]
+    return (c * (2 * delta + (n + 6) * U32) * vmax)[..., None]
+
+
+@pytest.mark.parametrize("T,H,Hkv,hd,S,positions", [
+    (2, 4, 2, 8, 20, [18, 19]),  # prefill of 2 tokens, GQA groups of 2
+    (1, 2, 1, 6, 300, [299]),  # decode over a cache longer than a block (3 chunks of keys)
+    (2, 2, 2, 130, 5, [2, 4]),  # MHA, head_dim above the block size, cache rows past the position ignored
+])
+def test_attention(rng, T, H, Hkv, hd, S, positions):
+    q, k, v = randn(rng, T, H, hd), randn(rng, S, Hkv, hd), randn(rng, S, Hkv, hd)
+    positions = np.array(positions, np.int32)
+    got = attn.attention(dev(q), dev(k), dev(v), dev(positions), out=poisoned((T, H, hd))).copy_to_host()
+    want = R.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), positions)
+    check(got, want, attention_tolerance(q, k, v, positions))
+
+
+# ---- sampling.py ----
+
+def _argmax(logits):
+    return int(sampling.argmax(dev(logits), out=poisoned(1, np.int32)).copy_to_host()[0])
+
+
+@pytest.mark.parametrize("V", [1, 37, 1000])
+def test_argmax_random(rng, V):
+    logits = randn(rng, V)
+    assert _argmax(logits) == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize("ties", [[900, 261, 517, 5], [256, 33]])  # same thread; warp 0 vs warp 1
+def test_argmax_ties_lowest_index(rng, ties):
+    logits = randn(rng, 1000)
+    logits[ties] = 10.0
+    assert _argmax(logits) == min(ties)
+
+
+def test_argmax_nan_and_inf(rng):
+    logits = randn(rng, 300)
+    logits[123] = np.nan
+    assert _argmax(logits) == sampling.NO_TOKEN
+    assert _argmax(np.full(40, -np.inf, np.float32)) == 0
+
+
+# ---- copy.py ----
+
+@pytest.mark.parametrize("blocks", [None, 1, 3])
+def test_copy(rng, blocks):
+    src = randn(rng, 1000)
+    got = copy_k.copy(dev(src), dst=poisoned(1000), blocks=blocks).copy_to_host()
+    np.testing.assert_array_equal(got, src)
+
+
+class _CountingRuntime:
+    """The part of course_lib.runtime.Runtime the wrappers use: empty() and launch(name, kernel, grid, block)."""
+
+    def __init__(self):
+        self.launched, self.allocations = [], 0
+
+    def empty(self, shape, dtype=np.float32):
+        self.allocations += 1
+        return cuda.device_array(shape, dtype)
+
+    def launch(self, name, kernel, grid, block, *args):
+        self.launched.append(name)
+        kernel[grid, block](*args)
+
+
+def test_wrappers_launch_through_a_runtime(rng):
+    rt, src = _CountingRuntime(), randn(rng, 300)
+    got = copy_k.copy(dev(src), rt=rt).copy_to_host()
+    np.testing.assert_array_equal(got, src)
+    assert rt.launched == ["copy_grid_stride"] and rt.allocations == 1
+
+
+# ---- every kernel compiles for the H200 (sm_90), even without a GPU ----
+
+_PTX_SCRIPT = r'''
+import importlib.util, os, shutil, subprocess, sys, tempfile
+spec = importlib.util.spec_from_file_location("course_lib.device", "course_lib/device.py")
+device = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(device)
+device.gpu_available = lambda: True  # compile for the real CUDA target, not the simulator
+sys.modules["course_lib.device"] = device
+import numpy as np
+from course_lib.kernels import cuda
+if cuda.config.ENABLE_CUDASIM:
+    sys.exit("SKIP: the simulator was selected anyway")
+import numba.cuda.cuda_paths as paths
+import numba.cuda.cudadrv.nvrtc as nvrtc
+import numba.cuda.dispatcher as dispatcher
+nvrtc.get_arch_option = lambda major, minor: f"compute_{major}{minor}"  # no NVRTC needed to name the arch
+_nvrtc_path = paths._get_nvrtc_path
+def _nvrtc_or_none():
+    try:
+        return _nvrtc_path()
+    except Exception:
+        return None
+paths._get_nvrtc_path = _nvrtc_or_none
+class _H200:
+    compute_capability = (9, 0)
+dispatcher.get_current_device = lambda: _H200()  # device functions compile for "the current device"
+try:
+    cuda.compile_ptx(lambda a: None, "void(float32[::1])", cc=(9, 0))
+except Exception as e:
+    print(f"SKIP: no NVVM/libdevice to compile with ({type(e).__name__})")
+    sys.exit(0)
+from course_lib.kernels import attention, copy, elementwise, matmul, sampling
+F1, F2, F3, I1 = "float32[::1]", "float32[:, ::1]", "float32[:, :, ::1]", "int32[::1]"
+jobs = [
+    ("rope_pairs", elementwise.rope_pairs, f"void({F3}, {F2}, {F2}, {I1})"),
+    ("silu_mul_flat", elementwise.silu_mul_flat, f"void({F1}, {F1}, {F1})"),
+    ("add_flat", elementwise.add_flat, f"void({F1}, {F1}, {F1})"),
+    ("attention_two_pass", attention.attention_two_pass, f"void({F3}, {F3}, {F3}, {I1}, float32, {F3})"),
+    ("argmax_block", sampling.argmax_block, f"void({F1}, {I1})"),
+    ("copy_grid_stride", copy.copy_grid_stride, f"void({F1}, {F1})"),
+]
+for dtype in (np.float32, np.uint16):
+    w1, w2, dt = f"{np.dtype(dtype).name}[::1]", f"{np.dtype(dtype).name}[:, ::1]", np.dtype(dtype)
+    jobs += [
+        (f"matmul_tiled[{dt}]", matmul._MATMUL[dt], f"void({F2}, {w2}, {F2})"),
+        (f"add_bias_rows[{dt}]", matmul._ADD_BIAS[dt], f"void({F2}, {w1})"),
+        (f"transpose_tiled[{dt}]", matmul._TRANSPOSE[dt], f"void({w2}, {w2})"),
+        (f"embedding_rows[{dt}]", elementwise._EMBEDDING[dt], f"void({w2}, {I1}, {F2})"),
+        (f"rms_norm_rows[{dt}]", elementwise._RMS_NORM[dt], f"void({F2}, {w1}, float32, {F2})"),
+    ]
+ptxas = shutil.which("ptxas")
+failed = 0
+for name, kernel, sig in jobs:
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+        assert ".f64" not in ptx, "float64 arithmetic (a float literal without float32(...)?)"
+        if ptxas:
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(ptx)
+                f.flush()
+                r = subprocess.run([ptxas, "-arch=sm_90", f.name, "-o", os.devnull], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-2000:]
+        print("OK", name)
+    except Exception as e:
+        failed += 1
+        print("FAIL", name, type(e).__name__, str(e)[-3000:])
+sys.exit(1 if failed else 0)
+'''
+
+
+def test_kernels_compile_for_sm90():
+    """Compile every kernel to PTX for compute capability 9.0 (H200), in a subprocess without the simulator:
+    the simulator runs kernels as Python and would not notice typing errors or non-constant shared shapes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], cwd=Path(__file__).resolve().parents[1], env=env,
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    if "SKIP:" in out:
+        pytest.skip(out[out.index("SKIP:"):].splitlines()[0])
+    assert r.returncode == 0, out[-6000:]
+    assert out.count("OK ") == 16, out
