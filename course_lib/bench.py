@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import accounting
-from .kernels import cuda
 from .kernels import copy as k_copy
+from .kernels import cuda
 from .profiler import profile_decode, time_decode
 
 
