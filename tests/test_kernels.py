@@ -4,6 +4,9 @@ Shapes are tiny (the simulator runs each CUDA thread as a Python thread) and nev
 tile sizes. Weights are tried as float32 and as bf16 (uint16 bits); the reference then sees the widened float32
 values, so both sides compute with the same numbers. Every output is filled with NaN (or a sentinel) before the
 kernel runs, so an element the kernel forgets to write fails the test. Seed: KERNEL_TEST_SEED (default below).
+
+On a GPU, the `test_*_real` tests also run every kernel at the real shapes of SmolLM2-135M and Llama-3.2-1B
+(skipped in the simulator).
 """
 
 import os
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 
 from course_lib import reference as R
-from course_lib.config import ModelConfig
+from course_lib.config import LLAMA_32_1B, ModelConfig
 from course_lib.kernels import SIMULATOR, cuda, sampling
 from course_lib.kernels import attention as attn
 from course_lib.kernels import copy as copy_k
@@ -50,9 +53,15 @@ def dev(x):
     return cuda.to_device(np.ascontiguousarray(x))
 
 
+def poison(dtype):
+    """What an unwritten element holds: NaN (float), 0xFFFF (uint16, bf16 bits: a NaN) or -7 (other integers)."""
+    dtype = np.dtype(dtype)
+    return np.nan if dtype.kind == "f" else 0xFFFF if dtype == np.uint16 else -7
+
+
 def poisoned(shape, dtype=np.float32):
-    """A device array full of NaN (float) or -7 (integer): unwritten elements show up."""
-    return dev(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -7, dtype))
+    """A device array full of poison(dtype): unwritten elements show up."""
+    return dev(np.full(shape, poison(dtype), dtype))
 
 
 def dot_tolerance(a, b, c=2.0):
@@ -65,15 +74,34 @@ def dot_tolerance(a, b, c=2.0):
     return c * a.shape[-1] * U32 * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64))
 
 
-def check(got, want, tol):
-    """No NaN, and |got - want| <= tol elementwise (tol may be a scalar or an array)."""
-    got = np.asarray(got)
-    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} NaN in the output (unwritten elements?)"
+def check(got, want, tol, what=""):
+    """No NaN, and |got - want| <= tol elementwise (tol may be a scalar or an array); `what` prefixes failures."""
+    got, what = np.asarray(got), f"{what}: " if what else ""
+    assert not np.isnan(got).any(), f"{what}{np.isnan(got).sum()} NaN in the output (unwritten elements?)"
     err = np.abs(got.astype(np.float64) - want)
     excess = err - tol
     worst = np.unravel_index(np.argmax(excess), excess.shape)
     limit = np.broadcast_to(tol, err.shape)[worst]
-    assert (excess <= 0).all(), f"error {err[worst]:.3g} > tolerance {limit:.3g} at {worst}"
+    assert (excess <= 0).all(), f"{what}error {err[worst]:.3g} > tolerance {limit:.3g} at {worst}"
+
+
+def rms_norm_tolerance(want):
+    """Bound for rms_norm (rows of d): the sum of d squares errs by <= d u relative, sqrt halves it, the
+    divide and multiply add a few u; both sides err."""
+    return 2 * (want.shape[-1] + 8) * U32 * np.abs(want)
+
+
+def rope_tolerance(x):
+    """Bound for rope on x [..., hd]: a c - b s is two products and a sum (|c|, |s| <= 1), possibly fused on the
+    GPU: a few u of |a| + |b| for both components of each pair (a, b) = (x[..., i], x[..., i + hd/2])."""
+    half = x.shape[-1] // 2
+    a, b = np.abs(x[..., :half]), np.abs(x[..., half:])
+    return 4 * U32 * np.concatenate([a + b] * 2, -1)
+
+
+def silu_mul_tolerance(want):
+    """Bound for silu(gate) * up: exp (<= 2 ulp on the GPU), add, divide, multiply on each side: within 16 u."""
+    return 16 * U32 * np.abs(want)
 
 
 # ---- simulator polyfills ----
@@ -136,7 +164,7 @@ def test_add_bias(rng, dtype):
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 def test_transpose(rng, dtype):
     x, _ = weight(rng, dtype, 33, 37)
-    out = poisoned((37, 33), x.dtype) if dtype == "f32" else dev(np.full((37, 33), 0xFFFF, np.uint16))
+    out = poisoned((37, 33), x.dtype)
     np.testing.assert_array_equal(mm.transpose(dev(x), out=out).copy_to_host(), x.T)
 
 
@@ -166,8 +194,7 @@ def test_rms_norm(rng, dtype):
     w, w32 = weight(rng, dtype, d)
     got = ew.rms_norm(dev(x), dev(w), 1e-5, out=poisoned((3, d))).copy_to_host()
     want = R.rms_norm(x, w32, 1e-5)
-    # sum of d squares: relative error <= d u; sqrt halves it; divide, multiply: a few u more; both sides err
-    check(got, want, 2 * (d + 8) * U32 * np.abs(want))
+    check(got, want, rms_norm_tolerance(want))
 
 
 def test_rms_norm_in_place(rng):
@@ -175,7 +202,7 @@ def test_rms_norm_in_place(rng):
     x_dev = dev(x)
     ew.rms_norm(x_dev, dev(w), 1e-6, out=x_dev)
     want = R.rms_norm(x, w, 1e-6)
-    check(x_dev.copy_to_host(), want, 2 * (37 + 8) * U32 * np.abs(want))
+    check(x_dev.copy_to_host(), want, rms_norm_tolerance(want))
 
 
 @pytest.mark.parametrize("heads", [1, 3])
@@ -187,26 +214,28 @@ def test_rope(rng, heads):
     x = randn(rng, 3, heads, 10)
     x_dev = dev(x)
     ew.rope(x_dev, dev(cos), dev(sin), dev(positions))
-    a, b = np.abs(x[..., :5]), np.abs(x[..., 5:])
-    # a c - b s: two products and a sum (|c|, |s| <= 1), possibly fused on the GPU: a few u of |a| + |b|
-    check(x_dev.copy_to_host(), R.rope(x, cos[positions], sin[positions]), 4 * U32 * np.concatenate([a + b] * 2, -1))
+    check(x_dev.copy_to_host(), R.rope(x, cos[positions], sin[positions]), rope_tolerance(x))
 
 
 def test_silu_mul(rng):
     gate, up = randn(rng, 3, 70, scale=4.0), randn(rng, 3, 70)
     got = ew.silu_mul(dev(gate), dev(up), out=poisoned((3, 70))).copy_to_host()
     want = R.swiglu(gate, up)
-    # exp (<= 2 ulp on the GPU), add, divide, multiply on each side: relative error within 16 u
-    check(got, want, 16 * U32 * np.abs(want))
+    check(got, want, silu_mul_tolerance(want))
 
 
-def test_add(rng):
-    a, b = randn(rng, 3, 37), randn(rng, 3, 37)
-    got = ew.add(dev(a), dev(b), out=poisoned((3, 37))).copy_to_host()
+def check_add(rng, T, d):
+    """add of two [T, d] arrays into a new array and in place: exactly a + b."""
+    a, b = randn(rng, T, d), randn(rng, T, d)
+    got = ew.add(dev(a), dev(b), out=poisoned((T, d))).copy_to_host()
     np.testing.assert_array_equal(got, a + b)
     a_dev = dev(a)
     ew.add(a_dev, dev(b), out=a_dev)  # the residual add in place
     np.testing.assert_array_equal(a_dev.copy_to_host(), a + b)
+
+
+def test_add(rng):
+    check_add(rng, 3, 37)
 
 
 # ---- attention.py ----
@@ -235,6 +264,11 @@ def attention_tolerance(q, k, v, positions, c=2.0):
     (2, 2, 2, 130, 5, [2, 4]),  # MHA, head_dim above the block size, cache rows past the position ignored
 ])
 def test_attention(rng, T, H, Hkv, hd, S, positions):
+    check_attention(rng, T, H, Hkv, hd, S, positions)
+
+
+def check_attention(rng, T, H, Hkv, hd, S, positions):
+    """attention of random q [T, H, hd] over a random cache k, v [S, Hkv, hd] against the float64 reference."""
     q, k, v = randn(rng, T, H, hd), randn(rng, S, Hkv, hd), randn(rng, S, Hkv, hd)
     positions = np.array(positions, np.int32)
     got = attn.attention(dev(q), dev(k), dev(v), dev(positions), out=poisoned((T, H, hd))).copy_to_host()
@@ -297,6 +331,155 @@ def test_wrappers_launch_through_a_runtime(rng):
     got = copy_k.copy(dev(src), rt=rt).copy_to_host()
     np.testing.assert_array_equal(got, src)
     assert rt.launched == ["copy_grid_stride"] and rt.allocations == 1
+
+
+# ---- real shapes of SmolLM2-135M and Llama-3.2-1B (GPU only) ----
+#
+# Every kernel at the shapes a forward pass of the two models gives it. The CPU side dominates the time: weights
+# are drawn once per shape and the float64 reference is computed once, for the most rows, then sliced.
+
+real_shapes = pytest.mark.skipif(SIMULATOR, reason="real shapes need a GPU")
+
+SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
+                           max_seq_len=8192, rope_theta=100000.0, rms_eps=1e-5, name="SmolLM2-135M")
+REAL_MODELS = [pytest.param(SMOLLM2_135M, id="SmolLM2-135M"), pytest.param(LLAMA_32_1B, id="Llama-3.2-1B")]
+REAL_M = (1, 16, 64 + 7)  # rows of a matmul: one token (decode), a few, past one 64-row tile of the GPU matmul
+REAL_T = [1, 100]  # tokens in a pass: decode, prefill
+REAL_PROJECTIONS = [  # (K, N) = (in, out) of wq and wo, wk and wv, w_gate and w_up, w_down
+    (576, 576), (576, 192), (576, 1536), (1536, 576),  # SmolLM2-135M
+    (2048, 2048), (2048, 512), (2048, 8192), (8192, 2048),  # Llama-3.2-1B
+]
+ROPE_POSITIONS = 8192  # rows of the RoPE tables: positions 0..8191
+
+
+def test_real_shapes_are_the_models():
+    """The explicit shapes above are those of the two configs (runs everywhere)."""
+    shapes = []
+    for c in (SMOLLM2_135M, LLAMA_32_1B):
+        shapes += [(c.d_model, c.d_model), (c.d_model, c.d_kv), (c.d_model, c.d_ff), (c.d_ff, c.d_model)]
+    assert shapes == REAL_PROJECTIONS
+    assert [(c.vocab_size, c.n_heads, c.n_kv_heads, c.head_dim) for c in (SMOLLM2_135M, LLAMA_32_1B)] == [
+        (49152, 9, 3, 64), (128256, 32, 8, 64)]
+
+
+def check_matmul_rows(a, b_dev, b32, want, what):
+    """matmul(a[:M], b) for each M of REAL_M, against rows :M of want (the float64 reference for all of a)."""
+    tol = dot_tolerance(a, b32)
+    for M in REAL_M:
+        got = mm.matmul(dev(a[:M]), b_dev, out=poisoned((M, b32.shape[1]))).copy_to_host()
+        check(got, want[:M], tol[:M], f"{what}, M={M}")
+
+
+@real_shapes
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("K,N", REAL_PROJECTIONS)
+def test_matmul_real(rng, K, N, dtype):
+    a = randn(rng, max(REAL_M), K)
+    b, b32 = weight(rng, dtype, K, N)
+    want = R.linear(a.astype(np.float64), b32.astype(np.float64))
+    check_matmul_rows(a, dev(b), b32, want, f"[M, {K}] @ [{K}, {N}] {dtype}")
+
+
+@real_shapes
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("tied", [True, False], ids=["embed.T", "lm_head"])
+def test_logits_real(rng, tied, dtype):
+    """SmolLM2's logits [M, 49152]: x @ embed.T, the [49152, 576] table transposed by the transpose kernel into a
+    poisoned [576, 49152] array (tied), or x @ a [576, 49152] lm_head (direct)."""
+    V, d = SMOLLM2_135M.vocab_size, SMOLLM2_135M.d_model
+    x = randn(rng, max(REAL_M), d)
+    final_norm = np.ones(d, np.float32)
+    if tied:
+        embed, embed32 = weight(rng, dtype, V, d)
+        w_dev, w32 = mm.transpose(dev(embed), out=poisoned((d, V), embed.dtype)), embed32.T
+        w64 = R.Weights(embed=embed32.astype(np.float64), layers=[], final_norm=final_norm, lm_head=None)
+    else:
+        head, w32 = weight(rng, dtype, d, V)
+        w_dev = dev(head)
+        w64 = R.Weights(embed=None, layers=[], final_norm=final_norm, lm_head=w32.astype(np.float64))
+    check_matmul_rows(x, w_dev, w32, R.logits(x.astype(np.float64), w64), f"logits {'tied' if tied else 'lm_head'}")
+
+
+@real_shapes
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("config", REAL_MODELS)
+def test_embedding_real(rng, config, dtype):
+    """The whole [V, d] table, poisoned except the rows looked up: reading a wrong row brings NaN."""
+    V, d = config.vocab_size, config.d_model
+    ids = np.concatenate([[V - 1, 0, 17, 17], rng.integers(0, V, max(REAL_T))])[:max(REAL_T)].astype(np.int32)
+    rows, inverse = np.unique(ids, return_inverse=True)
+    stored, values32 = weight(rng, dtype, len(rows), d)
+    table = np.full((V, d), poison(stored.dtype), stored.dtype)
+    table[rows] = stored
+    table_dev = dev(table)
+    for T in REAL_T:  # ids[:1] is the last row
+        got = ew.embedding(table_dev, dev(ids[:T]), out=poisoned((T, d))).copy_to_host()
+        np.testing.assert_array_equal(got, R.embedding(values32, inverse[:T]), err_msg=f"T={T}")
+
+
+@real_shapes
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("config", REAL_MODELS)
+@pytest.mark.parametrize("T", REAL_T)
+def test_rms_norm_real(rng, T, config, dtype):
+    d = config.d_model
+    x = randn(rng, T, d) * np.geomspace(0.01, 30, T, dtype=np.float32)[:, None]  # rows from small to large
+    w, w32 = weight(rng, dtype, d)
+    got = ew.rms_norm(dev(x), dev(w), config.rms_eps, out=poisoned((T, d))).copy_to_host()
+    want = R.rms_norm(x, w32, config.rms_eps)
+    check(got, want, rms_norm_tolerance(want))
+
+
+@real_shapes
+@pytest.mark.parametrize("config", REAL_MODELS)
+@pytest.mark.parametrize("T", REAL_T)
+def test_rope_real(rng, T, config):
+    """q [T, H, 64] and k [T, Hkv, 64] rotated at positions up to 8191 (the first is 8191, the second 0)."""
+    cos, sin = R.rope_tables(config, ROPE_POSITIONS)
+    cos_dev, sin_dev = dev(cos), dev(sin)
+    positions = np.concatenate([[ROPE_POSITIONS - 1, 0], rng.integers(0, ROPE_POSITIONS, T)])[:T].astype(np.int32)
+    c64, s64 = cos[positions].astype(np.float64), sin[positions].astype(np.float64)
+    for heads in (config.n_heads, config.n_kv_heads):
+        x = randn(rng, T, heads, config.head_dim)
+        x_dev = dev(x)
+        ew.rope(x_dev, cos_dev, sin_dev, dev(positions))
+        check(x_dev.copy_to_host(), R.rope(x.astype(np.float64), c64, s64), rope_tolerance(x), f"{heads} heads")
+
+
+@real_shapes
+@pytest.mark.parametrize("config", REAL_MODELS)
+@pytest.mark.parametrize("T", REAL_T)
+def test_silu_mul_real(rng, T, config):
+    gate, up = randn(rng, T, config.d_ff, scale=4.0), randn(rng, T, config.d_ff)
+    got = ew.silu_mul(dev(gate), dev(up), out=poisoned((T, config.d_ff))).copy_to_host()
+    want = R.swiglu(gate.astype(np.float64), up.astype(np.float64))
+    check(got, want, silu_mul_tolerance(want))
+
+
+@real_shapes
+@pytest.mark.parametrize("config", REAL_MODELS)
+@pytest.mark.parametrize("T", REAL_T)
+def test_add_real(rng, T, config):
+    check_add(rng, T, config.d_model)
+
+
+@real_shapes
+@pytest.mark.parametrize("config", REAL_MODELS)
+@pytest.mark.parametrize("T,S", [(1, 1), (1, 17), (1, 1000), (1, 4096), (100, 100)])
+def test_attention_real(rng, T, S, config):
+    """Decode (T = 1 at position S - 1, a cache of S) and a prefill of T = 100 tokens at positions 0..99."""
+    check_attention(rng, T, config.n_heads, config.n_kv_heads, config.head_dim, S, np.arange(S - T, S))
+
+
+@real_shapes
+@pytest.mark.parametrize("V", [49152, 128256])
+def test_argmax_real(rng, V):
+    logits = randn(rng, V)
+    assert _argmax(logits) == int(np.argmax(logits))
+    logits[V - 1] = logits.max() + 1  # the last element wins
+    assert _argmax(logits) == V - 1
+    logits[12345] = logits[V - 1]  # a tie: the lower index wins
+    assert _argmax(logits) == 12345
 
 
 # ---- every kernel compiles for the H200 (sm_90), even without a GPU ----

@@ -1,0 +1,84 @@
+"""The CUDA backend against the NumPy reference: same logits (to a tolerance), same greedy and seeded tokens.
+
+In the simulator (no GPU) on the tiny models, a few dozen tokens; on a GPU with the real SmolLM2 weights.
+bf16 weights are compared with the reference run on the same weights rounded to bf16 (weights.round_to_bf16).
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from course_lib import generate, reference
+from course_lib.cuda_backend import CudaBackend
+from course_lib.generate import BACKENDS
+from course_lib.kernels import SIMULATOR
+from course_lib.profiler import profile_decode
+from course_lib.weights import round_to_bf16
+
+# Tokens per generation: the simulator costs ~6 s per token of the tiny model (32 tokens in all here).
+N_TOKENS = {"f32": 16, "bf16": 8, "seeded": 8} if SIMULATOR else {"f32": 64, "bf16": 64, "seeded": 64}
+
+
+def as_computed(model, weights):
+    return model if weights == "f32" else dataclasses.replace(model, weights=round_to_bf16(model.weights))
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    """Tiny Qwen2 flavour (QKV bias, untied head) in the simulator; the real SmolLM2 on a GPU."""
+    return request.getfixturevalue("tiny_qwen" if SIMULATOR else "smollm")
+
+
+@pytest.fixture
+def cuda_backend(monkeypatch):
+    def use(weights):
+        monkeypatch.setitem(BACKENDS, "cuda", lambda m, capacity: CudaBackend(m, capacity, weights=weights))
+    return use
+
+
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+def test_logits_match_reference(model, weights):
+    c = model.config
+    ref_model = as_computed(model, weights)
+    ids = np.random.default_rng(5).integers(0, c.vocab_size, 9)
+    backend = CudaBackend(model, 16, weights=weights)
+    cache, rope = reference.KVCache(c, 16), reference.rope_tables(c, 16)
+    pairs = [(backend.prefill(ids), reference.forward(ref_model.weights, c, ids, cache, rope))]
+    for token in (3, 17):
+        pairs.append((backend.decode(token), reference.forward(ref_model.weights, c, [token], cache, rope)))
+    for ours, ref in pairs:
+        assert np.all(np.isfinite(ours))
+        # same float32 operations in another summation order: see test_hf_parity.logit_tolerance
+        assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+def test_greedy_tokens_match_reference(model, weights, cuda_backend):
+    cuda_backend(weights)
+    kw = dict(max_new_tokens=N_TOKENS[weights], stop=False)
+    prompt = "The capital of France is"
+    expected = generate(as_computed(model, weights), prompt, backend="numpy", **kw)
+    assert generate(model, prompt, backend="cuda", **kw).token_ids == expected.token_ids
+
+
+def test_seeded_sampling_matches_reference(model, cuda_backend):
+    cuda_backend("f32")
+    kw = dict(max_new_tokens=N_TOKENS["seeded"], stop=False, temperature=0.8, top_p=0.95, seed=11)
+    expected = generate(model, "Once upon a time", backend="numpy", **kw)
+    assert generate(model, "Once upon a time", backend="cuda", **kw).token_ids == expected.token_ids
+
+
+def test_baseline_profile_counts(tiny):
+    """The baseline's launches and allocations per decode step follow from its structure."""
+    c = tiny.config
+    backend = CudaBackend(tiny, 8, weights="f32")
+    backend.prefill([1, 2, 3])
+    step = profile_decode(backend, 4)
+    per_layer = 7 + 2 + 4 + 1 + 2 + 2 + 1  # matmuls, norms, cache copies, attention, adds, rope, silu_mul
+    assert step.launches == c.n_layers * per_layer + 1 + 1 + 1 + 1  # embedding, final norm, transpose, logits
+    assert len(step.kernels) == step.launches
+    assert step.allocations > c.n_layers * 2  # a fresh cache per layer for K and V, and more
+    names = {n for n, _, _ in step.kernels}
+    assert {"matmul_tiled", "attention_two_pass", "transpose_tiled", "copy_grid_stride"} <= names
+    assert all(e >= s for _, s, e in step.kernels)
