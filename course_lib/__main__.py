@@ -39,6 +39,19 @@ def _info(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from . import device, load_model
+
+    device.announce()
+    if not device.gpu_available():
+        raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")
+    from .bench import run_bench
+
+    model = load_model(args.model)
+    print(run_bench(model, args.weights.split(","), args.launch.split(","), args.context, args.steps))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -56,6 +69,13 @@ def main(argv=None) -> int:
     i = sub.add_parser("info", help="mode (GPU or not), model config, parameters and bytes per token")
     i.add_argument("--model", default="SmolLM2-135M-Instruct")
     i.set_defaults(run=_info)
+    b = sub.add_parser("bench", help="decode speed on the GPU against the bandwidth bound")
+    b.add_argument("--model", default="SmolLM2-135M-Instruct")
+    b.add_argument("--weights", default="bf16,f32", help="comma-separated: bf16, f32")
+    b.add_argument("--launch", default="fast,dispatcher", help="comma-separated: fast, dispatcher")
+    b.add_argument("--context", type=int, default=64, help="prompt length before the timed decode steps")
+    b.add_argument("--steps", type=int, default=50, help="decode steps timed")
+    b.set_defaults(run=_bench)
     args = p.parse_args(argv)
     try:
         return args.run(args)

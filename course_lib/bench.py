@@ -5,6 +5,8 @@ Used by `python -m course_lib bench` and the notebooks; never by the tests (timi
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import accounting
@@ -61,4 +63,44 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['weights']:<8}{r['launch']:<11}{r['tokens_per_s']:>9.1f}{r['ms_per_token']:>9.3f}"
                      f"{r['GB_per_s']:>9.1f}{r['bound_tokens_per_s']:>13.0f}{r['percent_of_bound']:>8.2f}%"
                      f"{r['kernels_per_token']:>12}{r['allocations_per_token']:>11}")
+    return "\n".join(lines)
+
+
+def measure_launch_overhead(n: int = 2000) -> dict:
+    """Host microseconds per launch of a tiny kernel (8 array arguments, as in the model's kernels), through
+    Numba's dispatcher and through the runtime's fast path. The GPU work is negligible; launches queue up."""
+    from .runtime import Runtime
+
+    arrays = [cuda.to_device(np.ones(32, np.float32)) for _ in range(2)]
+    src, dst = arrays
+    out = {}
+    for label, fast in (("dispatcher", False), ("fast", True)):
+        rt = Runtime(fast=fast)
+        k_copy.copy(src, dst, blocks=1, rt=rt)  # compile / prepare
+        rt.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            k_copy.copy(src, dst, blocks=1, rt=rt)
+        elapsed = time.perf_counter() - t0
+        rt.synchronize()
+        out[label] = elapsed / n * 1e6
+    return out
+
+
+def run_bench(model, weights=("bf16", "f32"), launches=("fast", "dispatcher"), context=64, steps=50) -> str:
+    """The `bench` command's report: bandwidth, bound, and one row per (weights, launch path)."""
+    c = model.config
+    bandwidth = measure_bandwidth()
+    lines = [f"model {c.name}: {c.n_params() / 1e6:.1f}M parameters, context {context} + {steps} decode steps",
+             f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)"]
+    for w in weights:
+        wb = 2 if w == "bf16" else 4
+        bound = accounting.tokens_per_s_bound(c, bandwidth, context, wb)
+        lines.append(f"bound with {w} weights: {bound:,.0f} tokens/s "
+                     f"({accounting.decode_cost(c, context, wb).bytes / 1e6:.1f} MB per token)")
+    overhead = measure_launch_overhead()
+    lines.append("launch cost from Python: " + ", ".join(f"{k} {v:.1f} us" for k, v in overhead.items()))
+    rows = [bench_decode(model, bandwidth, w, context, steps, fast_launch=(launch == "fast"))
+            for w in weights for launch in launches]
+    lines.append(format_rows(rows))
     return "\n".join(lines)
