@@ -151,6 +151,8 @@ class ModelConfig:
         )
 
 
-# Shapes of larger models for accounting (no weights needed).
+# Shapes for accounting (no weights needed). SMOLLM2_135M is the default model's config.
+SMOLLM2_135M = ModelConfig("llama", 49152, 576, 30, 9, 3, 1536, 8192, 100000.0, 1e-5, True, False,
+                           "SmolLM2-135M-Instruct")
 LLAMA_32_1B = ModelConfig("llama", 128256, 2048, 16, 32, 8, 8192, 131072, 500000.0, 1e-5, True, False, "Llama-3.2-1B")
 LLAMA_31_8B = ModelConfig("llama", 128256, 4096, 32, 32, 8, 14336, 131072, 500000.0, 1e-5, False, False, "Llama-3.1-8B")

@@ -24,14 +24,13 @@ class FastKernel:
     """One compiled specialization of a kernel, launched through cuda.core with arguments flattened by hand."""
 
     def __init__(self, dispatcher, args):
-        from cuda.core import LaunchConfig  # noqa: F401  (imported here: absent in the simulator)
-
         types = tuple(dispatcher.typeof_pyval(a) for a in args)
         kernel = dispatcher.overloads.get(types) or dispatcher.compile(types)
         kernel.bind()
         self.kernel = kernel._codelibrary.get_cufunc().kernel
         self.cooperative = kernel.cooperative
         self.flatteners = [_flattener(t) for t in kernel.argument_types]
+        self.configs = {}  # (grid, block) -> LaunchConfig
 
     def launch(self, grid, block, stream, args):
         from cuda.core import LaunchConfig, launch
@@ -39,7 +38,9 @@ class FastKernel:
         flat = []
         for f, a in zip(self.flatteners, args, strict=True):
             f(a, flat)
-        cfg = LaunchConfig(grid=grid, block=block, is_cooperative=self.cooperative)
+        cfg = self.configs.get((grid, block))
+        if cfg is None:
+            cfg = self.configs[grid, block] = LaunchConfig(grid=grid, block=block, is_cooperative=self.cooperative)
         launch(stream, cfg, self.kernel, *flat)
 
 

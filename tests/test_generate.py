@@ -134,3 +134,19 @@ def test_param_count_matches_the_weights(tiny, tiny_qwen, smollm):
     for model in (tiny, tiny_qwen, smollm):
         assert model.config.n_params() == sum(a.size for _, a in model.weights.arrays())
     assert smollm.config.n_params() == 134_515_008
+
+
+def test_accounting_constants_match_the_real_model(smollm):
+    from course_lib.accounting import decode_cost, matmul_params, tokens_per_s_bound
+    from course_lib.config import SMOLLM2_135M
+
+    real = smollm.config
+    for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "rope_theta"):
+        assert getattr(SMOLLM2_135M, field) == getattr(real, field)
+    # tied embeddings: every parameter but the norms takes part in a matmul for each token
+    norms = (2 * real.n_layers + 1) * real.d_model
+    assert matmul_params(real) == real.n_params() - norms
+    cost = decode_cost(real, context=0, weight_bytes=2)
+    assert cost.flops == 2 * matmul_params(real)
+    assert 0.99 < cost.intensity < 1.01  # ~2 FLOPs per 2-byte weight: about one FLOP per byte
+    assert 15_000 < tokens_per_s_bound(real, 4.27e12, context=0, weight_bytes=2) < 16_500
