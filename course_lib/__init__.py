@@ -7,10 +7,10 @@
 """
 
 from .config import ModelConfig, UnsupportedModelError
-from .device import gpu_available, mode
+from .device import by_mode, gpu_available, mode
 from .generate import Generation, generate
 from .model import DEFAULT_MODEL, Model, load_model
 from .tiny import tiny_model
 
-__all__ = ["DEFAULT_MODEL", "Generation", "Model", "ModelConfig", "UnsupportedModelError", "generate",
+__all__ = ["DEFAULT_MODEL", "by_mode", "Generation", "Model", "ModelConfig", "UnsupportedModelError", "generate",
            "gpu_available", "load_model", "mode", "tiny_model"]

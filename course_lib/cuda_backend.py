@@ -22,6 +22,27 @@ from .model import Model
 from .runtime import Runtime
 from .safetensors_io import f32_to_bf16
 
+# Kernel choice per op. Each later notebook adds its optimized choice beside the baseline's, so `bench` can show
+# the whole progression with the same text at every step.
+OP_CHOICES = {
+    "matmul": ("tiled",),  # every projection: the 64x64-tile matmul
+    "kv_cache": ("concat",),  # a new, longer cache every pass, the old one copied into it
+    "logits": ("transpose",),  # tied embeddings: transpose the table, then matmul
+    "bias": ("separate",),  # Q/K/V bias added by its own kernel
+}
+BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
+
+
+def resolve_ops(ops: dict | None) -> dict:
+    """BASELINE updated with `ops`; unknown ops or choices are errors."""
+    chosen = BASELINE | (ops or {})
+    for op, choice in chosen.items():
+        if op not in OP_CHOICES:
+            raise ValueError(f"unknown op {op!r} (ops: {', '.join(OP_CHOICES)})")
+        if choice not in OP_CHOICES[op]:
+            raise ValueError(f"op {op!r} has no choice {choice!r} (choices: {', '.join(OP_CHOICES[op])})")
+    return chosen
+
 
 def upload_weights(model: Model, rt: Runtime, dtype: str) -> dict:
     """{name: device array}: matrices and the embedding table in `dtype` ('f32' or 'bf16'), norms in float32."""
@@ -48,8 +69,10 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, model: Model, capacity: int, weights: str = "bf16", fast_launch: bool = True):
+    def __init__(self, model: Model, capacity: int, weights: str = "bf16", fast_launch: bool = True,
+                 ops: dict | None = None):
         self.model, self.config = model, model.config
+        self.ops = resolve_ops(ops)
         self.rt = Runtime(fast=fast_launch)
         self.weights_dtype = weights
         self.w = upload_weights(model, self.rt, weights)

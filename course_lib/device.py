@@ -27,6 +27,12 @@ def gpu_available() -> bool:
         return False
 
 
+def by_mode(gpu, simulator):
+    """`gpu` on a GPU, `simulator` without one: sizes for notebooks and tests (real shapes on a GPU, tiny ones in
+    the simulator, which runs every CUDA thread as a Python thread)."""
+    return gpu if gpu_available() else simulator
+
+
 def mode() -> str:
     """'gpu' or 'simulator' (no GPU: kernels in Numba's CUDA simulator, text from NumPy)."""
     return "gpu" if gpu_available() else "simulator"

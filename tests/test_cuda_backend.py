@@ -82,3 +82,11 @@ def test_baseline_profile_counts(tiny):
     names = {n for n, _, _ in step.kernels}
     assert {"matmul_tiled", "attention_two_pass", "transpose_tiled", "copy_grid_stride"} <= names
     assert all(e >= s for _, s, e in step.kernels)
+
+
+def test_op_choices_are_checked(tiny):
+    assert CudaBackend(tiny, 4, ops={"matmul": "tiled"}).ops["kv_cache"] == "concat"
+    with pytest.raises(ValueError, match="unknown op"):
+        CudaBackend(tiny, 4, ops={"softmax": "fast"})
+    with pytest.raises(ValueError, match="no choice 'magic'"):
+        CudaBackend(tiny, 4, ops={"matmul": "magic"})
