@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .config import ModelConfig
 

@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .config import ModelConfig
 from .safetensors_io import read_safetensors, write_safetensors

@@ -13,7 +13,6 @@ allocations and launches and can profile them): see `launch` and `empty`.
 """
 
 import os
-import warnings
 
 import numpy as np
 
@@ -22,10 +21,10 @@ from course_lib import device as _device
 _device.ensure_simulator_if_no_gpu()
 
 from numba import cuda, uint32  # noqa: E402  (after the simulator has been chosen)
-from numba.core.errors import NumbaPerformanceWarning  # noqa: E402
+from numba.cuda.core import config as _config  # noqa: E402
 
 # Small grids are the point of the baseline (one row per token): Numba's occupancy warning is expected.
-warnings.filterwarnings("ignore", category=NumbaPerformanceWarning)
+_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 SIMULATOR = bool(cuda.config.ENABLE_CUDASIM) or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 if SIMULATOR:
