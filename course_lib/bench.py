@@ -6,6 +6,7 @@ Used by `python -m course_lib bench` and the notebooks; never by the tests (timi
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 
@@ -43,13 +44,13 @@ def measure_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> dict[str, fl
 
 
 def bench_decode(model, bandwidth: float, weights: str = "bf16", context: int = 64, steps: int = 50,
-                 fast_launch: bool = True) -> dict:
+                 fast_launch: bool = True, ops: dict | None = None, label: str = "baseline") -> dict:
     """Decode speed of the CUDA backend after a prompt of `context` tokens; one row of the bench table."""
     from .cuda_backend import CudaBackend
 
     c = model.config
     ids = np.random.default_rng(1).integers(0, c.vocab_size, context)
-    backend = CudaBackend(model, context + steps + 2, weights=weights, fast_launch=fast_launch)
+    backend = CudaBackend(model, context + steps + 2, weights=weights, fast_launch=fast_launch, ops=ops)
     token = int(np.argmax(backend.prefill(ids)))
     backend.decode(token)  # warm-up
     step = profile_decode(backend, token)
@@ -57,21 +58,74 @@ def bench_decode(model, bandwidth: float, weights: str = "bf16", context: int = 
     wbytes = 2 if weights == "bf16" else 4
     moved = accounting.decode_cost(c, context + steps // 2, weight_bytes=wbytes).bytes
     bound = accounting.tokens_per_s_bound(c, bandwidth, context + steps // 2, weight_bytes=wbytes)
-    return {"weights": weights, "launch": "fast" if fast_launch else "dispatcher", "tokens_per_s": 1e3 / ms,
+    return {"step": label, "weights": weights, "launch": "fast" if fast_launch else "dispatcher",
+            "tokens_per_s": 1e3 / ms,
             "ms_per_token": ms, "GB_per_s": moved / (ms / 1e3) / 1e9, "bound_tokens_per_s": bound,
             "percent_of_bound": 100 * (1e3 / ms) / bound, "kernels_per_token": step.launches,
             "allocations_per_token": step.allocations, "busy_fraction": step.busy_fraction, "profile": step}
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'weights':<8}{'launch':<11}{'tok/s':>9}{'ms/tok':>9}{'GB/s':>9}{'bound tok/s':>13}{'% bound':>9}"
-            f"{'kernels/tok':>12}{'allocs/tok':>11}")
+    head = (f"{'step':<20}{'weights':<8}{'launch':<11}{'tok/s':>9}{'ms/tok':>9}{'GB/s':>9}{'bound tok/s':>13}"
+            f"{'% bound':>9}{'kernels/tok':>12}{'allocs/tok':>11}" + ("  same text" if "same_text" in rows[0] else ""))
     lines = [head]
     for r in rows:
-        lines.append(f"{r['weights']:<8}{r['launch']:<11}{r['tokens_per_s']:>9.1f}{r['ms_per_token']:>9.3f}"
+        same = f"  {'yes' if r['same_text'] else 'NO'}" if "same_text" in r else ""
+        lines.append(f"{r['step']:<20}{r['weights']:<8}{r['launch']:<11}{r['tokens_per_s']:>9.1f}{r['ms_per_token']:>9.3f}"
                      f"{r['GB_per_s']:>9.1f}{r['bound_tokens_per_s']:>13.0f}{r['percent_of_bound']:>8.2f}%"
-                     f"{r['kernels_per_token']:>12}{r['allocations_per_token']:>11}")
+                     f"{r['kernels_per_token']:>12}{r['allocations_per_token']:>11}{same}")
     return "\n".join(lines)
+
+
+def same_text(model, weights: str, ops: dict, n_tokens: int = 32, prompt: str = "The capital of France is") -> bool:
+    """Do these kernel choices give the NumPy reference's greedy tokens (on the same bf16-rounded weights)?"""
+    import dataclasses
+
+    from .cuda_backend import CudaBackend
+    from .generate import generate
+    from .weights import round_to_bf16
+
+    ref_model = model if weights == "f32" else dataclasses.replace(model, weights=round_to_bf16(model.weights))
+    expected = generate(ref_model, prompt, max_new_tokens=n_tokens, stop=False, backend="numpy").token_ids
+    ids = model.tokenizer.encode(prompt)
+    backend = CudaBackend(model, len(ids) + n_tokens, weights=weights, ops=ops)
+    tokens = [int(np.argmax(backend.prefill(ids)))]
+    while len(tokens) < n_tokens:
+        tokens.append(int(np.argmax(backend.decode(tokens[-1]))))
+    return tokens == expected
+
+
+def _gb_per_s(run, buffers: list, nbytes: int, repeats: int) -> float:
+    """GB/s of `nbytes` moved by run(buffer), each timing on the next buffer of `buffers` in turn."""
+    turn = iter(range(10**9))
+    return nbytes / _median_seconds(lambda: run(buffers[next(turn) % len(buffers)]), repeats) / 1e9
+
+
+def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows: int = 1, repeats: int = 30) -> list:
+    """GB/s of weight bytes per matmul kernel, for each weight shape (K, N): the tiled baseline, the narrow
+    split-K kernel on b [K, N], and the transposed kernel on the same weights stored as [N, K]. Each timing
+    rotates over enough copies of the weights (>= 256 MB) that they come from memory, not from the 50 MB L2."""
+    from .kernels import matmul as k_matmul
+    from .kernels import narrow as k_narrow
+    from .safetensors_io import f32_to_bf16
+
+    rng = np.random.default_rng(0)
+    out = []
+    for K, N in shapes:
+        host = rng.standard_normal((K, N), dtype=np.float32) / np.sqrt(K)
+        host = f32_to_bf16(host) if weights == "bf16" else host
+        copies = max(2, -(-(256 << 20) // host.nbytes))
+        a = cuda.to_device(rng.standard_normal((rows, K), dtype=np.float32))
+        row = {"K": K, "N": N, "MB": host.nbytes / 1e6}
+        kn = [cuda.to_device(host) for _ in range(copies)]
+        row["tiled"] = _gb_per_s(partial(k_matmul.matmul, a), kn, host.nbytes, repeats)
+        row["narrow"] = _gb_per_s(partial(k_narrow.matmul_narrow, a), kn, host.nbytes, repeats)
+        del kn
+        nk = [cuda.to_device(np.ascontiguousarray(host.T)) for _ in range(copies)]
+        row["transposed"] = _gb_per_s(partial(k_narrow.matmul_transposed, a), nk, host.nbytes, repeats)
+        del nk
+        out.append(row)
+    return out
 
 
 def measure_launch_overhead(n: int = 2000) -> dict:
@@ -96,7 +150,10 @@ def measure_launch_overhead(n: int = 2000) -> dict:
 
 
 def run_bench(model, weights=("bf16", "f32"), launches=("fast", "dispatcher"), context=64, steps=50) -> str:
-    """The `bench` command's report: bandwidth, bound, and one row per (weights, launch path)."""
+    """The `bench` command's report: bandwidth, bound, launch cost, then one row per step of the course's
+    progression (cuda_backend.STEPS), weight dtype and launch path, with a check that the text is unchanged."""
+    from .cuda_backend import STEPS
+
     c = model.config
     measured = measure_bandwidth()
     bandwidth = max(measured.values())
@@ -109,7 +166,12 @@ def run_bench(model, weights=("bf16", "f32"), launches=("fast", "dispatcher"), c
                      f"({accounting.decode_cost(c, context, wb).bytes / 1e6:.1f} MB per token)")
     overhead = measure_launch_overhead()
     lines.append("launch cost from Python: " + ", ".join(f"{k} {v:.1f} us" for k, v in overhead.items()))
-    rows = [bench_decode(model, bandwidth, w, context, steps, fast_launch=(launch == "fast"))
-            for w in weights for launch in launches]
+    rows = []
+    for label, ops in STEPS.items():
+        for w in weights:
+            same = same_text(model, w, ops)
+            for launch in launches:
+                row = bench_decode(model, bandwidth, w, context, steps, launch == "fast", ops, label)
+                rows.append(row | {"same_text": same})
     lines.append(format_rows(rows))
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from .kernels import attention as k_attention
 from .kernels import copy as k_copy
 from .kernels import elementwise as k_elt
 from .kernels import matmul as k_matmul
+from .kernels import narrow as k_narrow
 from .model import Model
 from .runtime import Runtime
 from .safetensors_io import f32_to_bf16
@@ -25,12 +26,18 @@ from .safetensors_io import f32_to_bf16
 # Kernel choice per op. Each later notebook adds its optimized choice beside the baseline's, so `bench` can show
 # the whole progression with the same text at every step.
 OP_CHOICES = {
-    "matmul": ("tiled",),  # every projection: the 64x64-tile matmul
+    # every projection: the 64x64-tile matmul | split-K narrow matmul for <= 16 rows, tiled above (notebook 02)
+    "matmul": ("tiled", "narrow"),
     "kv_cache": ("concat",),  # a new, longer cache every pass, the old one copied into it
-    "logits": ("transpose",),  # tied embeddings: transpose the table, then matmul
-    "bias": ("separate",),  # Q/K/V bias added by its own kernel
+    # tied embeddings: transpose the table, then matmul | a . table^T read in place (notebook 02)
+    "logits": ("transpose", "transposed"),
+    # Q/K/V bias: added by its own kernel | added by the matmul's reduction (notebook 02)
+    "bias": ("separate", "fused"),
 }
 BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
+NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
+# The progression `bench` prints, one step per notebook: same text at every step.
+STEPS = {"baseline": BASELINE, "narrow matmul (02)": NARROW}
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -41,6 +48,8 @@ def resolve_ops(ops: dict | None) -> dict:
             raise ValueError(f"unknown op {op!r} (ops: {', '.join(OP_CHOICES)})")
         if choice not in OP_CHOICES[op]:
             raise ValueError(f"op {op!r} has no choice {choice!r} (choices: {', '.join(OP_CHOICES[op])})")
+    if chosen["bias"] == "fused" and chosen["matmul"] != "narrow":
+        raise ValueError("a fused bias is added by the narrow matmul's reduction: use matmul='narrow' with it")
     return chosen
 
 
@@ -127,11 +136,19 @@ class CudaBackend:
             x = k_elt.add(x, self._linear(k_elt.silu_mul(gate, up, rt=rt), lw["w_down"]), rt=rt)
         self.length = start + T
         h = k_elt.rms_norm(x[T - 1:], w["final_norm"], c.rms_eps, rt=rt)
-        head = w["lm_head"] if w["lm_head"] is not None else k_matmul.transpose(w["embed"], rt=rt)
-        logits = k_matmul.matmul(h, head, rt=rt)
+        if w["lm_head"] is not None:
+            logits = self._linear(h, w["lm_head"])
+        elif self.ops["logits"] == "transposed":
+            logits = k_narrow.matmul_transposed(h, w["embed"], rt=rt)
+        else:
+            logits = k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
         return logits.copy_to_host()[0]
 
     def _linear(self, x, weight, bias=None):
-        """x @ weight, then + bias in a separate kernel (the baseline's unfused bias)."""
-        y = k_matmul.matmul(x, weight, rt=self.rt)
-        return y if bias is None else k_matmul.add_bias(y, bias, rt=self.rt)
+        """x @ weight + bias, with the chosen matmul; the bias in its own kernel unless fused."""
+        rt, fused = self.rt, self.ops["bias"] == "fused"
+        if self.ops["matmul"] == "narrow":
+            y = k_narrow.linear(x, weight, bias if fused else None, rt=rt)
+        else:
+            y = k_matmul.matmul(x, weight, rt=rt)
+        return y if bias is None or fused else k_matmul.add_bias(y, bias, rt=rt)

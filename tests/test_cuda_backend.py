@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from course_lib import generate, reference
-from course_lib.cuda_backend import CudaBackend
+from course_lib.cuda_backend import NARROW, CudaBackend
 from course_lib.generate import BACKENDS
 from course_lib.kernels import SIMULATOR
 from course_lib.profiler import profile_decode
@@ -32,17 +32,20 @@ def model(request):
 
 @pytest.fixture
 def cuda_backend(monkeypatch):
-    def use(weights):
-        monkeypatch.setitem(BACKENDS, "cuda", lambda m, capacity: CudaBackend(m, capacity, weights=weights))
+    def use(weights, ops=None):
+        monkeypatch.setitem(BACKENDS, "cuda", lambda m, capacity: CudaBackend(m, capacity, weights=weights, ops=ops))
     return use
 
 
+@pytest.mark.parametrize("ops", [None, NARROW], ids=["baseline", "narrow"])
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
-def test_logits_match_reference(model, weights):
+def test_logits_match_reference(request, model, weights, ops):
+    if ops is not None and SIMULATOR:
+        model = request.getfixturevalue("tiny")  # tied embeddings: the transposed logits kernel
     c = model.config
     ref_model = as_computed(model, weights)
     ids = np.random.default_rng(5).integers(0, c.vocab_size, 9)
-    backend = CudaBackend(model, 16, weights=weights)
+    backend = CudaBackend(model, 16, weights=weights, ops=ops)
     cache, rope = reference.KVCache(c, 16), reference.rope_tables(c, 16)
     pairs = [(backend.prefill(ids), reference.forward(ref_model.weights, c, ids, cache, rope))]
     for token in (3, 17):
@@ -53,9 +56,10 @@ def test_logits_match_reference(model, weights):
         assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("ops", [None, NARROW], ids=["baseline", "narrow"])
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
-def test_greedy_tokens_match_reference(model, weights, cuda_backend):
-    cuda_backend(weights)
+def test_greedy_tokens_match_reference(model, weights, ops, cuda_backend):
+    cuda_backend(weights, ops)
     kw = dict(max_new_tokens=N_TOKENS[weights], stop=False)
     prompt = "The capital of France is"
     expected = generate(as_computed(model, weights), prompt, backend="numpy", **kw)
@@ -90,3 +94,8 @@ def test_op_choices_are_checked(tiny):
         CudaBackend(tiny, 4, ops={"softmax": "fast"})
     with pytest.raises(ValueError, match="no choice 'magic'"):
         CudaBackend(tiny, 4, ops={"matmul": "magic"})
+
+
+def test_fused_bias_needs_the_narrow_matmul(tiny):
+    with pytest.raises(ValueError, match="fused bias"):
+        CudaBackend(tiny, 4, ops={"bias": "fused"})

@@ -22,6 +22,7 @@ from course_lib.kernels import attention as attn
 from course_lib.kernels import copy as copy_k
 from course_lib.kernels import elementwise as ew
 from course_lib.kernels import matmul as mm
+from course_lib.kernels import narrow as nw
 from course_lib.safetensors_io import bf16_to_f32, f32_to_bf16
 
 SEED = int(os.environ.get("KERNEL_TEST_SEED", "20261129"))
@@ -514,7 +515,7 @@ try:
 except Exception as e:
     print(f"SKIP: no NVVM/libdevice to compile with ({type(e).__name__})")
     sys.exit(0)
-from course_lib.kernels import attention, copy, elementwise, matmul, sampling
+from course_lib.kernels import attention, copy, elementwise, matmul, narrow, sampling
 F1, F2, F3, I1 = "float32[::1]", "float32[:, ::1]", "float32[:, :, ::1]", "int32[::1]"
 jobs = [
     ("rope_pairs", elementwise.rope_pairs, f"void({F3}, {F2}, {F2}, {I1})"),
@@ -532,7 +533,16 @@ for dtype in (np.float32, np.uint16):
         (f"transpose_tiled[{dt}]", matmul._TRANSPOSE[dt], f"void({w2}, {w2})"),
         (f"embedding_rows[{dt}]", elementwise._EMBEDDING[dt], f"void({w2}, {I1}, {F2})"),
         (f"rms_norm_rows[{dt}]", elementwise._RMS_NORM[dt], f"void({F2}, {w1}, float32, {F2})"),
+        (f"reduce_slices_bias[{dt}]", narrow._REDUCE_BIAS[dt], f"void({F3}, {w1}, {F2})"),
     ]
+jobs.append(("reduce_slices", narrow.reduce_slices, f"void({F3}, {F2})"))
+for rows in (1, narrow.MAX_ROWS):  # the narrow kernels, one per (R, weight kind)
+    for kind, stored in (("f32", "float32"), ("bf16", "uint16"), ("bf16x2", "uint32")):
+        w2 = f"{stored}[:, ::1]"
+        jobs += [
+            (f"split_k[{kind}, R={rows}]", narrow.kernel_for("split_k", kind, rows), f"void({F2}, {w2}, {F3})"),
+            (f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows), f"void({F2}, {w2}, {F2})"),
+        ]
 ptxas = shutil.which("ptxas")
 failed = 0
 for name, kernel, sig in jobs:
@@ -567,4 +577,156 @@ def test_kernels_compile_for_sm90():
     if "SKIP:" in out:
         pytest.skip(out[out.index("SKIP:"):].splitlines()[0])
     assert r.returncode == 0, out[-6000:]
-    assert out.count("OK ") == 16, out
+    assert out.count("OK ") == 31, out
+
+
+# ---- narrow.py: split-K matmul and transposed matmul for R <= 16 rows ----
+
+class _RecordingRuntime(_CountingRuntime):
+    """A _CountingRuntime that also keeps the shapes it allocated (the split-K scratch shows the slice count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def empty(self, shape, dtype=np.float32):
+        self.shapes.append(tuple(shape))
+        return super().empty(shape, dtype)
+
+
+def linear_case(rng, M, K, N, dtype, bias_dtype):
+    """a [M, K], weights b [K, N] stored as dtype, bias [N] stored as bias_dtype (or None); the float32 reference
+    linear(a, b, bias) and its tolerance: the bias is one more term of each dot product (a 1 times the bias)."""
+    a = randn(rng, M, K)
+    b, b32 = weight(rng, dtype, K, N)
+    bias, bias32 = weight(rng, bias_dtype, N) if bias_dtype else (None, None)
+    if bias is None:
+        return a, b, None, R.linear(a, b32), dot_tolerance(a, b32)
+    tol = dot_tolerance(np.hstack([a, np.ones((M, 1), np.float32)]), np.vstack([b32, bias32[None]]))
+    return a, b, bias, R.linear(a, b32, bias32), tol
+
+
+@pytest.mark.parametrize("bias_dtype", [None, "f32", "bf16"])
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("N", [70, 71])  # bf16: 70 is read in uint32 pairs, 71 (odd) one uint16 at a time
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
+    K = 200
+    a, b, bias, want, tol = linear_case(rng, M, K, N, dtype, bias_dtype)
+    rt = _RecordingRuntime()
+    got = nw.matmul_narrow(dev(a), dev(b), None if bias is None else dev(bias), out=poisoned((M, N)), rt=rt)
+    check(got.copy_to_host(), want, tol)
+    [(slices, rows, cols)] = rt.shapes  # the scratch partial sums (out was given)
+    assert (rows, cols) == (M, N) and slices == 3 and K % slices != 0  # several slices, K not a multiple
+    pairs = dtype == "bf16" and N % 2 == 0
+    assert rt.launched == ["matmul_split_k_pairs" if pairs else "matmul_split_k",
+                           "reduce_slices" if bias is None else "reduce_slices_bias"]
+
+
+def test_matmul_narrow_deterministic(rng):
+    """Fixed summation order (no atomics): two runs agree bit for bit."""
+    a, b, bias, want, tol = linear_case(rng, 3, 200, 70, "bf16", "f32")
+    a_dev, b_dev, bias_dev = dev(a), dev(b), dev(bias)
+    first = nw.matmul_narrow(a_dev, b_dev, bias_dev).copy_to_host()
+    second = nw.matmul_narrow(a_dev, b_dev, bias_dev, out=poisoned((3, 70))).copy_to_host()
+    check(first, want, tol)
+    np.testing.assert_array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+def test_matmul_narrow_rejects(rng):
+    a, b = dev(randn(rng, 17, 8)), dev(randn(rng, 8, 5))
+    with pytest.raises(ValueError, match="rows"):
+        nw.matmul_narrow(a, b)
+    with pytest.raises(ValueError):
+        nw.matmul_narrow(dev(randn(rng, 2, 9)), b)
+    with pytest.raises(ValueError):
+        nw.matmul_narrow(dev(randn(rng, 2, 8)), b, bias=dev(randn(rng, 6)))
+    with pytest.raises(ValueError):
+        nw.matmul_narrow(dev(randn(rng, 2, 8)), b, out=dev(randn(rng, 3, 5)))
+    with pytest.raises(TypeError):
+        nw.matmul_narrow(dev(randn(rng, 2, 8)), dev(np.zeros((8, 5), np.float64)))
+
+
+@pytest.mark.parametrize("M,path", [(3, ["matmul_split_k", "reduce_slices_bias"]),
+                                    (17, ["matmul_tiled", "add_bias_rows"])])
+def test_linear_dispatch_narrow_or_tiled(rng, M, path):
+    """linear: matmul_narrow up to 16 rows, the tiled matmul and add_bias beyond."""
+    a, b, bias, want, tol = linear_case(rng, M, 70, 37, "f32", "bf16")
+    rt = _RecordingRuntime()
+    got = nw.linear(dev(a), dev(b), dev(bias), out=poisoned((M, 37)), rt=rt).copy_to_host()
+    check(got, want, tol)
+    assert rt.launched == path
+
+
+def tied_weights(embed):
+    """Weights with only a tied embedding table, for reference.logits (x @ embed.T)."""
+    return R.Weights(embed=embed, layers=[], final_norm=np.ones(embed.shape[1], np.float32), lm_head=None)
+
+
+@pytest.mark.parametrize("dtype,K", [("f32", 200), ("bf16", 200), ("bf16", 131)])  # bf16 K odd: uint16 reads
+@pytest.mark.parametrize("M,N", [(1, 37), (3, 37), (16, 9)])  # small N at M = 16: simulated shuffles are slow
+def test_matmul_transposed(rng, M, N, dtype, K):
+    """a @ b.T with b [N, K] read in place: the tied-embedding logits (reference.logits with embed = b)."""
+    b, b32 = weight(rng, dtype, N, K)
+    a = randn(rng, M, K)
+    rt = _RecordingRuntime()
+    got = nw.matmul_transposed(dev(a), dev(b), out=poisoned((M, N)), rt=rt).copy_to_host()
+    check(got, R.logits(a, tied_weights(b32)), dot_tolerance(a, b32.T))
+    pairs = dtype == "bf16" and K % 2 == 0
+    assert rt.launched == ["matmul_transposed_warps_pairs" if pairs else "matmul_transposed_warps"]
+
+
+def test_split_k_slices_at_least_min():
+    """Every slice [s K // S, (s + 1) K // S) is at least MIN_SLICE long (or there is one slice)."""
+    for K in (1, 63, 64, 127, 128, 200, 576, 1000, 1536, 8192):
+        for N in (1, 37, 576, 2048, 49152):
+            for cols, sms in ((32, 2), (32, 132), (64, 132)):
+                S = nw.split_k(K, N, cols, sms)
+                bounds = [s * K // S for s in range(S + 1)]
+                assert S >= 1 and bounds[-1] == K
+                assert S == 1 or min(np.diff(bounds)) >= nw.MIN_SLICE, (K, N, cols, sms, S)
+    assert [nw.split_k(K, 70, 32, 132) for K in (127, 128, 191, 192)] == [1, 2, 2, 3]
+
+
+def test_split_k_grid_near_target():
+    """With K long enough, groups x S is the multiple of the group count nearest BLOCKS_PER_SM x SMs."""
+    for N in (70, 576, 2048, 8192, 49152):
+        for cols in (32, 64):
+            groups, target = -(-N // cols), nw.BLOCKS_PER_SM * 132
+            S = nw.split_k(1 << 20, N, cols, 132)
+            assert abs(groups * S - target) <= groups / 2 or (S == 1 and groups > target), (N, cols, S)
+    assert nw.split_k(8192, 2048, 32, 132) == 8  # 64 groups x 8 = 512 blocks for 528 wanted
+    assert nw.split_k(576, 576, 32, 132) == 9  # capped: 9 slices of 64
+    assert nw.split_k(200, 70, 32, nw.SIM_SMS) == 3  # the simulator tests' shape
+
+
+@real_shapes
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("K,N", REAL_PROJECTIONS)
+def test_matmul_narrow_real(rng, K, N, dtype):
+    """[R, K] @ [K, N] + bias for R = 1 and 16; bit-identical when run again."""
+    a, b, bias, _, tol = linear_case(rng, 16, K, N, dtype, dtype)
+    b32 = bf16_to_f32(b) if dtype == "bf16" else b
+    bias32 = bf16_to_f32(bias) if dtype == "bf16" else bias
+    want = R.linear(a.astype(np.float64), b32.astype(np.float64), bias32.astype(np.float64))
+    b_dev, bias_dev = dev(b), dev(bias)
+    for rows in (1, 16):
+        got = nw.matmul_narrow(dev(a[:rows]), b_dev, bias_dev, out=poisoned((rows, N))).copy_to_host()
+        check(got, want[:rows], tol[:rows], f"[{rows}, {K}] @ [{K}, {N}] {dtype}")
+    again = nw.matmul_narrow(dev(a), b_dev, bias_dev).copy_to_host()
+    np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
+
+
+@real_shapes
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("config", REAL_MODELS)
+def test_matmul_transposed_real(rng, config, dtype):
+    """The tied logits x @ embed.T of both models ([49152, 576] and [128256, 2048] tables), R = 1 and 16."""
+    V, d = config.vocab_size, config.d_model
+    embed, embed32 = weight(rng, dtype, V, d)
+    x = randn(rng, 16, d)
+    want = R.logits(x.astype(np.float64), tied_weights(embed32.astype(np.float64)))
+    tol, embed_dev = dot_tolerance(x, embed32.T), dev(embed)
+    for rows in (1, 16):
+        got = nw.matmul_transposed(dev(x[:rows]), embed_dev, out=poisoned((rows, V))).copy_to_host()
+        check(got, want[:rows], tol[:rows], f"{config.name} logits, R={rows}, {dtype}")
