@@ -112,7 +112,7 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
     rng = np.random.default_rng(0)
     out = []
     for K, N in shapes:
-        host = rng.standard_normal((K, N), dtype=np.float32) / np.sqrt(K)
+        host = rng.standard_normal((K, N), dtype=np.float32) / np.float32(np.sqrt(K))
         host = f32_to_bf16(host) if weights == "bf16" else host
         copies = max(2, -(-(256 << 20) // host.nbytes))
         a = cuda.to_device(rng.standard_normal((rows, K), dtype=np.float32))
