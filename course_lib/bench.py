@@ -96,15 +96,27 @@ def same_text(model, weights: str, ops: dict, n_tokens: int = 32, prompt: str = 
 
 
 def _gb_per_s(run, buffers: list, nbytes: int, repeats: int) -> float:
-    """GB/s of `nbytes` moved by run(buffer), each timing on the next buffer of `buffers` in turn."""
-    turn = iter(range(10**9))
-    return nbytes / _median_seconds(lambda: run(buffers[next(turn) % len(buffers)]), repeats) / 1e9
+    """GB/s of `nbytes` moved by run(buffer), on the buffers in turn, GPU time only: a `hold` kernel keeps the
+    GPU busy while the host queues `repeats` runs (memory frees deferred, so nothing synchronizes), and events
+    time the runs back to back; launch overhead, which the runs would otherwise wait on, is left out."""
+    run(buffers[0])  # compile and load
+    cuda.synchronize()
+    with cuda.defer_cleanup():
+        start, end = cuda.event(), cuda.event()
+        k_copy.hold[1, 1](20_000)
+        start.record()
+        for i in range(repeats):
+            run(buffers[i % len(buffers)])
+        end.record()
+        end.synchronize()
+    return nbytes * repeats / (cuda.event_elapsed_time(start, end) / 1e3) / 1e9
 
 
 def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows: int = 1, repeats: int = 30) -> list:
-    """GB/s of weight bytes per matmul kernel, for each weight shape (K, N): the tiled baseline, the narrow
-    split-K kernel on b [K, N], and the transposed kernel on the same weights stored as [N, K]. Each timing
-    rotates over enough copies of the weights (>= 256 MB) that they come from memory, not from the 50 MB L2."""
+    """GB/s of weight bytes per matmul kernel (GPU time, see _gb_per_s), for each weight shape (K, N): the tiled
+    baseline, the narrow split-K kernel on b [K, N] (its two kernels), and the transposed kernel on the same
+    weights stored as [N, K]. The runs rotate over enough copies of the weights (>= 256 MB) that they come from
+    memory, not from the 50 MB L2 cache."""
     from .kernels import matmul as k_matmul
     from .kernels import narrow as k_narrow
     from .safetensors_io import f32_to_bf16

@@ -32,3 +32,12 @@ def copy(src, dst=None, blocks=None, stream=0, rt=None):
         blocks = max(1, min(MAX_BLOCKS, -(-src.size // THREADS)))
     launch(copy_grid_stride, blocks, THREADS, stream, rt, src, dst)
     return dst
+
+
+@cuda.jit
+def hold(microseconds):
+    """Keep the GPU busy for about `microseconds` (one thread sleeping in 100 us steps). Launched before a timed
+    region, it lets the host queue all the region's work first, so that events time the kernels back to back
+    rather than the host's launches."""
+    for _ in range(microseconds // 100):
+        cuda.nanosleep(100_000)
