@@ -52,15 +52,28 @@ class StepProfile:
         return "\n".join(lines)
 
 
-def profile_decode(backend, token: int) -> StepProfile:
-    """Run one decode step of `backend` with a CUDA event pair around every launch."""
+def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
+    """Run one decode step of `backend` with a CUDA event pair around every launch.
+
+    As the step runs, a kernel's interval also holds any wait for the host's next launch. queued=True (GPU only)
+    first keeps the GPU busy with a `hold` kernel while the host queues the whole step (memory frees deferred),
+    so the kernels run back to back and each interval is the kernel's own time (the wall time is then that of
+    the hold and the step together, not meaningful)."""
+    from .kernels import copy as k_copy
+    from .kernels import cuda
+
     rt = backend.rt
     rt.synchronize()
     launches, allocations = rt.launches, rt.allocations
     rt.profile = Profile()
     t0 = time.perf_counter()
     try:
-        backend.decode(token)
+        if queued:
+            with cuda.defer_cleanup():
+                k_copy.hold[1, 1, rt.stream](200_000)
+                backend.decode(token)
+        else:
+            backend.decode(token)
         rt.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
         kernels = rt.profile.timeline()
