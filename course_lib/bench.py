@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 
 from . import accounting
+from .device import by_mode
 from .kernels import copy as k_copy
 from .kernels import cuda
 from .profiler import profile_decode, time_decode
@@ -126,7 +127,7 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
     for K, N in shapes:
         host = rng.standard_normal((K, N), dtype=np.float32) / np.float32(np.sqrt(K))
         host = f32_to_bf16(host) if weights == "bf16" else host
-        copies = max(2, -(-(256 << 20) // host.nbytes))
+        copies = by_mode(max(2, -(-(256 << 20) // host.nbytes)), 2)
         a = cuda.to_device(rng.standard_normal((rows, K), dtype=np.float32))
         row = {"K": K, "N": N, "MB": host.nbytes / 1e6}
         kn = [cuda.to_device(host) for _ in range(copies)]
