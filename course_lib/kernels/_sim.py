@@ -9,6 +9,7 @@ The simulator runs every CUDA thread of a block as a Python thread and hands eac
   warp must make the call (the kernels only use full warps).
 - `syncwarp`: a barrier for the warp's lanes.
 - `libdevice.int_as_float` and `libdevice.float_as_int`: reinterpret 32 bits.
+- `nanosleep`: a real sleep (used by the `hold` kernel of the benchmarks).
 
 A lane that never arrives (it returned early, or waits at `syncthreads`) breaks the barrier after
 `BARRIER_TIMEOUT_S` and the kernel fails with `BrokenBarrierError` instead of hanging.
@@ -22,6 +23,7 @@ when they block or finish, and it sleeps in between: the same semantics, 4 to 10
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -107,6 +109,7 @@ _POLYFILLS = {
     "shfl_xor_sync": _shfl_xor_sync,
     "syncwarp": _syncwarp,
     "libdevice": property(lambda self: _LibDevice),
+    "nanosleep": lambda self, ns: time.sleep(ns * 1e-9),  # the GPU's is a hint; here a real sleep
 }
 
 
