@@ -3,48 +3,54 @@
 The tiled matmul (matmul.py) spends 64-row tiles on one row and launches only N / 64 blocks. Here every weight
 is read once, by reads the memory system likes, and the grid is sized to fill the GPU.
 
-Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in two kernels:
-- `matmul_split_k`: a block of WARPS warps (8; 2 in the simulator) owns a group of 32 adjacent columns and one
-  slice of K (grid: column groups x S slices, S from `split_k`). Lane l owns column col0 + l, so a warp reads
-  one row of the group as 32 adjacent floats (one 128-byte transaction). Warp w takes the rows k0 + w,
-  k0 + w + WARPS, ... of the slice, UNROLL (4) rows at a time: four weight loads in flight, then the FMAs into
-  R running sums (R is a compile-time constant: one kernel per R, the sums stay in registers). The warps' sums
-  meet in shared memory and are added in warp order into partial[s, r, col].
-- `matmul_split_k_pairs`: the same for bf16 weights with N even, read through a uint32 view of the uint16
-  weights: lane l owns columns 2 (p0 + l) and 2 (p0 + l) + 1 (one 4-byte load brings both), a group is 64
-  columns, and a warp still reads 128 bytes per row. bf16 with N odd uses `matmul_split_k` with uint16 reads.
-- `reduce_slices` (`reduce_slices_bias`): out[r, n] = partial[0, r, n] + ... + partial[S - 1, r, n] (+ bias[n]),
-  in slice order. No atomics anywhere, so the result is the same bit for bit from run to run. The bias is added
-  here, for free (no separate bias kernel).
+Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel:
+- `matmul_split_k_vec`: a block of WARPS warps (8; 2 in the simulator) owns a group of 256 adjacent columns and
+  one slice of K (grid: column groups x S slices, S from `split_k`). Lane l owns 8 adjacent columns, read with
+  16-byte loads (`vector.load16`: one load for 8 bf16 weights, two for 8 float32), so a warp reads 512
+  contiguous bytes of a bf16 weight row per instruction. Warp w takes the rows k0 + w, k0 + w + WARPS, ... of the
+  slice, UNROLL (8) rows at a time: eight loads in flight, then the FMAs into 8 R running sums (R is a
+  compile-time constant: one kernel per R, the sums stay in registers). The warps' sums meet in shared memory,
+  one row r at a time, and are added in warp order into a scratch partial[s, r, col].
+  It needs N % 8 == 0 and 16-byte aligned weights; otherwise `matmul_split_k` does the same with one column per
+  lane and one 4-byte (f32) or 2-byte (bf16) load per weight, 32 columns per group.
+- The slices meet without a second kernel: each block, once its partial sums are written, counts itself in
+  done[g] (an atomic add on one counter per column group); the last block of group g to arrive computes
+  out[r, n] = partial[0, r, n] + ... + partial[S - 1, r, n] (+ bias[n]) in slice order, and resets the counter.
+  The atomic only elects a block: the sums are always added in the same order, so the result is the same bit
+  for bit from run to run, whichever block comes last. The bias is added there, for free (no bias kernel).
+A row's result does not depend on R (the slices depend only on K and N, and each row is summed in the same
+order): one token alone or inside a prompt gets the same bits.
 
 Transposed matmul, out[R, N] = a[R, K] @ b[N, K].T without copying b (tied-embedding logits: b is the [vocab, d]
-embedding table), in one kernel, `matmul_transposed_warps`: one warp per row n of b (8 warps per block, 2 in the
-simulator; a grid-stride loop over rows when the grid is capped). Lane l reads k = l, l + 32, ... (coalesced;
-bf16 with K even: `matmul_transposed_warps_pairs` reads uint32 pairs, k = 2 l and 2 l + 1, then 2 (l + 32), ...),
-UNROLL loads in flight, into R sums; each sum is added across the warp by shuffles (warp_sum) and lane 0 writes
-out[r, n].
+embedding table), in one kernel, `matmul_transposed_vec`: a team of 8 lanes per row n of b (a warp takes 4 rows
+at once, a grid-stride loop over rows). Lane j of a team reads the 8-element groups j, j + 8, ... of the row
+(16-byte loads of b and of a, UNROLL in flight), into R sums; each sum is added across the team by three
+shuffles and the team's first lane writes out[r, n]. Without K % 8 == 0 and aligned arrays,
+`matmul_transposed_warps` reads one element per lane, one warp per row.
 
 Kernels are built on first use by factories, one per (R, weight kind), and kept in a dict; weight kinds are
-"f32", "bf16" (uint16, one column per lane) and "bf16x2" (uint16 read as uint32 pairs).
+"f32", "bf16" (one element per load) and "f32x8", "bf16x8" (eight per lane, 16-byte loads).
 """
 
 import functools
 
 import numpy as np
-from numba import float32, uint32
+from numba import float32, int32, uint32
 
-from course_lib.kernels import SIMULATOR, WEIGHT_READERS, cuda, empty, launch, pick, sized
+from course_lib.kernels import SIMULATOR, WEIGHT_READERS, bf16_weight, cuda, empty, f32_weight, launch, pick, sized
 from course_lib.kernels import matmul as mm
-from course_lib.kernels.elementwise import warp_sum
+from course_lib.kernels.elementwise import FULL_MASK, warp_sum
+from course_lib.kernels.vector import load16
 
 MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
 WARPS = sized(8, 2)  # warps per block (the simulator keeps full 32-lane warps, but fewer of them)
 THREADS = 32 * WARPS
-UNROLL = 4  # weight loads in flight per thread
+UNROLL = 8  # loads in flight per thread
+VEC = 8  # elements per lane and 16-byte load group
+TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
-BLOCKS_PER_SM = 4  # split_k's target: this many blocks per SM
-SIM_SMS = 2  # "SMs" of the simulator, for split_k (small: few blocks, as the simulator is slow)
-REDUCE_THREADS = sized(256, 64)
+BLOCKS_PER_SM = 2  # split_k's target: this many blocks per SM (2 measured faster than 4 or 8 on the H200)
+SIM_SMS = 4  # "SMs" of the simulator, for split_k (small: few blocks, as the simulator is slow)
 MAX_GRID = sized(1 << 20, 2)  # grid cap of the grid-stride kernels (never reached on a GPU)
 
 
@@ -84,16 +90,63 @@ def bf16_high(w):
 
 
 @cuda.jit(device=True)
-def store_partial(sums, partial, s, col0):
-    """partial[s, r, col0 + c] = sums[0, r, c] + sums[1, r, c] + ... (warps in order), for columns < N.
-    sums: shared [WARPS, R, width], written by all warps before the call (after a syncthreads)."""
-    rows, width = sums.shape[1], sums.shape[2]
-    for e in range(cuda.threadIdx.x, rows * width, cuda.blockDim.x):
-        r, c = e // width, e % width
+def bf16x8(words, i):
+    """The 8 float32 values of the bf16 elements 8 i .. 8 i + 7 of an array seen as uint32 `words`: one load."""
+    w0, w1, w2, w3 = load16(words, i)
+    return (bf16_low(w0), bf16_high(w0), bf16_low(w1), bf16_high(w1),
+            bf16_low(w2), bf16_high(w2), bf16_low(w3), bf16_high(w3))
+
+
+@cuda.jit(device=True)
+def f32x8(words, i):
+    """The float32 elements 8 i .. 8 i + 7 of an array seen as uint32 `words`: two loads."""
+    w0, w1, w2, w3 = load16(words, 2 * i)
+    w4, w5, w6, w7 = load16(words, 2 * i + 1)
+    f = cuda.libdevice.int_as_float
+    return f(w0), f(w1), f(w2), f(w3), f(w4), f(w5), f(w6), f(w7)
+
+
+@cuda.jit(device=True)
+def fma8(acc, r, x, w):
+    """acc[r, c] += x * w[c] for the 8 columns c."""
+    acc[r, 0] += x * w[0]
+    acc[r, 1] += x * w[1]
+    acc[r, 2] += x * w[2]
+    acc[r, 3] += x * w[3]
+    acc[r, 4] += x * w[4]
+    acc[r, 5] += x * w[5]
+    acc[r, 6] += x * w[6]
+    acc[r, 7] += x * w[7]
+
+
+@cuda.jit(device=True)
+def dot8(acc, x, w):
+    """acc + x[0] w[0] + ... + x[7] w[7], in that order."""
+    for c in range(VEC):
+        acc += x[c] * w[c]
+    return acc
+
+
+@cuda.jit(device=True)
+def team_sum(v):
+    """Sum of v over the TEAM lanes of its team (lanes 8 t .. 8 t + 7 of the warp); every lane of the warp calls."""
+    offset = TEAM // 2
+    while offset > 0:
+        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        offset //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def store_row(sums, partial, s, r, col0):
+    """partial[s, r, col0 + c] = sums[0, c] + sums[1, c] + ... (warps in order), for columns < N.
+    sums: shared [WARPS, width], written by all warps before the call (after a syncthreads)."""
+    width = sums.shape[1]
+    for c in range(cuda.threadIdx.x, width, cuda.blockDim.x):
         if col0 + c < partial.shape[2]:
-            v = sums[0, r, c]
+            v = sums[0, c]
             for w in range(1, WARPS):
-                v += sums[w, r, c]
+                v += sums[w, c]
             partial[s, r, col0 + c] = v
 
 
@@ -108,91 +161,72 @@ def sum_slices(partial, r, n):
 
 # ---- kernel factories: one kernel per (rows, weight kind) ----
 
-def _make_split_k(rows, to_f32):
-    @cuda.jit
-    def matmul_split_k(a, b, partial):
-        """partial[s, r, n] = sum of a[r, k] b[k, n] over slice s of K; grid (ceil(N / 32), S), block THREADS."""
-        sums = cuda.shared.array((WARPS, rows, 32), dtype=float32)
-        acc = cuda.local.array(rows, dtype=float32)
-        K, N, S = b.shape[0], b.shape[1], partial.shape[0]
-        lane, warp, s = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32, cuda.blockIdx.y
-        col = cuda.blockIdx.x * 32 + lane
+def _make_split_k(rows, width, load, bias_f32):
+    """The split-K kernel for R = rows, `width` columns per lane (1, or VEC with 16-byte loads): load(b, k, v,
+    per_row) gives the `width` float32 weights of row k, columns width v .. width v + width - 1; bias_f32 reads
+    one bias element."""
+    group = 32 * width  # columns of a block
+
+    def matmul_split_k(a, b, bias, partial, done, out):
+        """out = a [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), through partial [S, R, N]: block
+        (g, s) sums slice s of K for the columns of group g into partial[s]; the group's last block to finish
+        (done[g] counts them) adds the S slices in order, and the bias. Grid (ceil(N / group), S), THREADS."""
+        sums = cuda.shared.array((WARPS, group), dtype=float32)
+        last = cuda.shared.array(1, dtype=int32)
+        acc = cuda.local.array((rows, width), dtype=float32)
+        buf = cuda.local.array((UNROLL, width), dtype=float32)
+        K, N, S = a.shape[1], out.shape[1], partial.shape[0]
+        tid, g, s = cuda.threadIdx.x, cuda.blockIdx.x, cuda.blockIdx.y
+        lane, warp = tid % 32, tid // 32
+        v, per_row = g * 32 + lane, N // width
         k, k_end = s * K // S + warp, (s + 1) * K // S
         for r in range(rows):
-            acc[r] = float32(0)
-        if col < N:
-            while k + (UNROLL - 1) * WARPS < k_end:  # rows k, k + WARPS, k + 2 WARPS, k + 3 WARPS
-                w0 = to_f32(b[k, col])
-                w1 = to_f32(b[k + WARPS, col])
-                w2 = to_f32(b[k + 2 * WARPS, col])
-                w3 = to_f32(b[k + 3 * WARPS, col])
+            for c in range(width):
+                acc[r, c] = float32(0)
+        if v < per_row:
+            while k + (UNROLL - 1) * WARPS < k_end:  # rows k, k + WARPS, ..., k + (UNROLL - 1) WARPS
+                for u in range(UNROLL):  # all the loads first: UNROLL in flight
+                    w = load(b, k + u * WARPS, v, per_row)
+                    for c in range(width):
+                        buf[u, c] = w[c]
                 for r in range(rows):
-                    acc[r] += a[r, k] * w0
-                    acc[r] += a[r, k + WARPS] * w1
-                    acc[r] += a[r, k + 2 * WARPS] * w2
-                    acc[r] += a[r, k + 3 * WARPS] * w3
+                    for u in range(UNROLL):
+                        x = a[r, k + u * WARPS]
+                        for c in range(width):
+                            acc[r, c] += x * buf[u, c]
                 k += UNROLL * WARPS
             while k < k_end:
-                w0 = to_f32(b[k, col])
+                w = load(b, k, v, per_row)
                 for r in range(rows):
-                    acc[r] += a[r, k] * w0
+                    x = a[r, k]
+                    for c in range(width):
+                        acc[r, c] += x * w[c]
                 k += WARPS
-        for r in range(rows):
-            sums[warp, r, lane] = acc[r]
+        for r in range(rows):  # the block's sums, one row at a time, warps in order
+            for c in range(width):
+                sums[warp, lane * width + c] = acc[r, c]
+            cuda.syncthreads()
+            store_row(sums, partial, s, r, g * group)
+            cuda.syncthreads()
+        cuda.threadfence()  # our partial sums are visible to every block before we are counted
         cuda.syncthreads()
-        store_partial(sums, partial, s, cuda.blockIdx.x * 32)
-
-    return matmul_split_k
-
-
-def _make_split_k_pairs(rows):
-    @cuda.jit
-    def matmul_split_k_pairs(a, b2, partial):
-        """As matmul_split_k for bf16 weights b [K, N] (N even) seen as b2 = uint32 [K, N / 2]: lane l of group
-        g owns columns 2 p and 2 p + 1, p = 32 g + l; grid (ceil(N / 64), S), block THREADS."""
-        sums = cuda.shared.array((WARPS, rows, 64), dtype=float32)
-        lo = cuda.local.array(rows, dtype=float32)  # sums of column 2 p
-        hi = cuda.local.array(rows, dtype=float32)  # sums of column 2 p + 1
-        K, P, S = b2.shape[0], b2.shape[1], partial.shape[0]
-        lane, warp, s = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32, cuda.blockIdx.y
-        p = cuda.blockIdx.x * 32 + lane
-        k, k_end = s * K // S + warp, (s + 1) * K // S
-        for r in range(rows):
-            lo[r] = float32(0)
-            hi[r] = float32(0)
-        if p < P:
-            while k + (UNROLL - 1) * WARPS < k_end:
-                w0 = b2[k, p]
-                w1 = b2[k + WARPS, p]
-                w2 = b2[k + 2 * WARPS, p]
-                w3 = b2[k + 3 * WARPS, p]
-                l0, l1, l2, l3 = bf16_low(w0), bf16_low(w1), bf16_low(w2), bf16_low(w3)
-                h0, h1, h2, h3 = bf16_high(w0), bf16_high(w1), bf16_high(w2), bf16_high(w3)
-                for r in range(rows):
-                    x0, x1, x2, x3 = a[r, k], a[r, k + WARPS], a[r, k + 2 * WARPS], a[r, k + 3 * WARPS]
-                    lo[r] += x0 * l0
-                    hi[r] += x0 * h0
-                    lo[r] += x1 * l1
-                    hi[r] += x1 * h1
-                    lo[r] += x2 * l2
-                    hi[r] += x2 * h2
-                    lo[r] += x3 * l3
-                    hi[r] += x3 * h3
-                k += UNROLL * WARPS
-            while k < k_end:
-                w0 = b2[k, p]
-                l0, h0 = bf16_low(w0), bf16_high(w0)
-                for r in range(rows):
-                    lo[r] += a[r, k] * l0
-                    hi[r] += a[r, k] * h0
-                k += WARPS
-        for r in range(rows):
-            sums[warp, r, 2 * lane] = lo[r]
-            sums[warp, r, 2 * lane + 1] = hi[r]
+        if tid == 0:
+            last[0] = cuda.atomic.add(done, g, 1) == S - 1
         cuda.syncthreads()
-        store_partial(sums, partial, s, cuda.blockIdx.x * 64)
+        if last[0]:  # every slice of group g is written: sum them in slice order
+            for e in range(tid, rows * group, cuda.blockDim.x):
+                r, n = e // group, g * group + e % group
+                if n < N:
+                    total = sum_slices(partial, r, n)
+                    if bias.shape[0] > 0:
+                        total += bias_f32(bias[n])
+                    out[r, n] = total
+            if tid == 0:
+                done[g] = 0  # ready for the next launch
 
-    return matmul_split_k_pairs
+    if width == VEC:  # the name profiles and tests see
+        matmul_split_k.__name__ = matmul_split_k.__qualname__ = "matmul_split_k_vec"
+    return cuda.jit(matmul_split_k)
 
 
 def _make_transposed(rows, to_f32):
@@ -200,6 +234,7 @@ def _make_transposed(rows, to_f32):
     def matmul_transposed_warps(a, b, out):
         """out[r, n] = a[r, :] . b[n, :] (b [N, K]): one warp per row n, lanes along K; block THREADS."""
         acc = cuda.local.array(rows, dtype=float32)
+        buf = cuda.local.array(UNROLL, dtype=float32)
         N, K = b.shape[0], b.shape[1]
         lane = cuda.threadIdx.x % 32
         for n in range(cuda.grid(1) // 32, N, cuda.gridsize(1) // 32):  # the same n for the whole warp
@@ -207,20 +242,16 @@ def _make_transposed(rows, to_f32):
                 acc[r] = float32(0)
             k = lane
             while k + (UNROLL - 1) * 32 < K:
-                w0 = to_f32(b[n, k])
-                w1 = to_f32(b[n, k + 32])
-                w2 = to_f32(b[n, k + 64])
-                w3 = to_f32(b[n, k + 96])
+                for u in range(UNROLL):
+                    buf[u] = to_f32(b[n, k + 32 * u])
                 for r in range(rows):
-                    acc[r] += a[r, k] * w0
-                    acc[r] += a[r, k + 32] * w1
-                    acc[r] += a[r, k + 64] * w2
-                    acc[r] += a[r, k + 96] * w3
+                    for u in range(UNROLL):
+                        acc[r] += a[r, k + 32 * u] * buf[u]
                 k += UNROLL * 32
             while k < K:
-                w0 = to_f32(b[n, k])
+                w = to_f32(b[n, k])
                 for r in range(rows):
-                    acc[r] += a[r, k] * w0
+                    acc[r] += a[r, k] * w
                 k += 32
             for r in range(rows):
                 v = warp_sum(acc[r])
@@ -230,99 +261,130 @@ def _make_transposed(rows, to_f32):
     return matmul_transposed_warps
 
 
-def _make_transposed_pairs(rows):
+def _make_transposed_vec(rows, load8):
     @cuda.jit
-    def matmul_transposed_warps_pairs(a, b2, out):
-        """As matmul_transposed_warps for bf16 b [N, K] (K even) seen as b2 = uint32 [N, K / 2]: lane l reads
-        the pairs p = l, l + 32, ..., that is k = 2 p and 2 p + 1."""
+    def matmul_transposed_vec(a_words, words, out):
+        """out[r, n] = a[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), both seen as flat
+        uint32 words: a team of TEAM lanes per row n (4 rows per warp), lane j of the team reads the groups
+        j, j + TEAM, ... of 8 elements; block THREADS, grid-stride over rows (warps move together)."""
         acc = cuda.local.array(rows, dtype=float32)
-        N, P = b2.shape[0], b2.shape[1]
-        lane = cuda.threadIdx.x % 32
-        for n in range(cuda.grid(1) // 32, N, cuda.gridsize(1) // 32):
+        buf = cuda.local.array((UNROLL, VEC), dtype=float32)
+        N, per_row = out.shape[1], a_words.shape[0] // (rows * VEC)  # per_row = K / 8 groups of a row
+        lane, teams = cuda.threadIdx.x % 32, 32 // TEAM
+        j0, warp, warps = lane % TEAM, cuda.grid(1) // 32, cuda.gridsize(1) // 32
+        for n0 in range(warp * teams, N, warps * teams):  # rows n0 .. n0 + 3 for this warp
+            n = n0 + lane // TEAM
             for r in range(rows):
                 acc[r] = float32(0)
-            p = lane
-            while p + (UNROLL - 1) * 32 < P:
-                w0 = b2[n, p]
-                w1 = b2[n, p + 32]
-                w2 = b2[n, p + 64]
-                w3 = b2[n, p + 96]
-                l0, l1, l2, l3 = bf16_low(w0), bf16_low(w1), bf16_low(w2), bf16_low(w3)
-                h0, h1, h2, h3 = bf16_high(w0), bf16_high(w1), bf16_high(w2), bf16_high(w3)
-                k = 2 * p  # pair p + 32 j holds k + 64 j and k + 64 j + 1
-                for r in range(rows):
-                    acc[r] += a[r, k] * l0
-                    acc[r] += a[r, k + 1] * h0
-                    acc[r] += a[r, k + 64] * l1
-                    acc[r] += a[r, k + 65] * h1
-                    acc[r] += a[r, k + 128] * l2
-                    acc[r] += a[r, k + 129] * h2
-                    acc[r] += a[r, k + 192] * l3
-                    acc[r] += a[r, k + 193] * h3
-                p += UNROLL * 32
-            while p < P:
-                w0 = b2[n, p]
-                l0, h0 = bf16_low(w0), bf16_high(w0)
-                for r in range(rows):
-                    acc[r] += a[r, 2 * p] * l0
-                    acc[r] += a[r, 2 * p + 1] * h0
-                p += 32
-            for r in range(rows):
-                v = warp_sum(acc[r])
-                if lane == 0:
+            if n < N:
+                j, row = j0, n * per_row
+                while j + (UNROLL - 1) * TEAM < per_row:  # groups j, j + TEAM, ... of row n
+                    for u in range(UNROLL):
+                        w = load8(words, row + j + u * TEAM)
+                        for c in range(VEC):
+                            buf[u, c] = w[c]
+                    for r in range(rows):
+                        for u in range(UNROLL):
+                            x = f32x8(a_words, r * per_row + j + u * TEAM)
+                            for c in range(VEC):
+                                acc[r] += x[c] * buf[u, c]
+                    j += UNROLL * TEAM
+                while j < per_row:
+                    w = load8(words, row + j)
+                    for r in range(rows):
+                        x = f32x8(a_words, r * per_row + j)
+                        for c in range(VEC):
+                            acc[r] += x[c] * w[c]
+                    j += TEAM
+            for r in range(rows):  # every lane of the warp takes part in the shuffles
+                v = team_sum(acc[r])
+                if j0 == 0 and n < N:
                     out[r, n] = v
 
-    return matmul_transposed_warps_pairs
+    return matmul_transposed_vec
 
 
-@cuda.jit
-def reduce_slices(partial, out):
-    """out[r, n] = sum over s of partial[s, r, n], in order; grid-stride over the R x N outputs."""
-    N = out.shape[1]
-    for i in range(cuda.grid(1), out.shape[0] * N, cuda.gridsize(1)):
-        out[i // N, i % N] = sum_slices(partial, i // N, i % N)
+@cuda.jit(device=True)
+def f32_at(b, k, v, per_row):
+    """The weight b[k, v] of float32 weights, as a 1-tuple (one column per lane)."""
+    return (b[k, v],)
 
 
-def _make_reduce_bias(to_f32):
-    @cuda.jit
-    def reduce_slices_bias(partial, bias, out):
-        """out[r, n] = sum over s of partial[s, r, n], in order, + bias[n]."""
-        N = out.shape[1]
-        for i in range(cuda.grid(1), out.shape[0] * N, cuda.gridsize(1)):
-            out[i // N, i % N] = sum_slices(partial, i // N, i % N) + to_f32(bias[i % N])
-
-    return reduce_slices_bias
+@cuda.jit(device=True)
+def bf16_at(b, k, v, per_row):
+    """The weight b[k, v] of bf16 (uint16) weights, widened, as a 1-tuple."""
+    return (bf16_weight(b[k, v]),)
 
 
-_READERS = {"f32": WEIGHT_READERS[np.dtype(np.float32)], "bf16": WEIGHT_READERS[np.dtype(np.uint16)]}
-_FACTORIES = {  # (kernel family, weight kind) -> factory(rows)
-    ("split_k", "f32"): lambda rows: _make_split_k(rows, _READERS["f32"]),
-    ("split_k", "bf16"): lambda rows: _make_split_k(rows, _READERS["bf16"]),
-    ("split_k", "bf16x2"): _make_split_k_pairs,
-    ("transposed", "f32"): lambda rows: _make_transposed(rows, _READERS["f32"]),
-    ("transposed", "bf16"): lambda rows: _make_transposed(rows, _READERS["bf16"]),
-    ("transposed", "bf16x2"): _make_transposed_pairs,
+@cuda.jit(device=True)
+def f32x8_at(words, k, v, per_row):
+    """The 8 float32 weights of row k, columns 8 v .. 8 v + 7 (words: the flat uint32 view, per_row = N / 8)."""
+    return f32x8(words, k * per_row + v)
+
+
+@cuda.jit(device=True)
+def bf16x8_at(words, k, v, per_row):
+    """The 8 bf16 weights of row k, columns 8 v .. 8 v + 7, widened (one 16-byte load)."""
+    return bf16x8(words, k * per_row + v)
+
+
+_READERS = {"f32": f32_weight, "bf16": bf16_weight}
+_SPLIT_K_LOADS = {"f32": (1, f32_at), "bf16": (1, bf16_at), "f32x8": (VEC, f32x8_at), "bf16x8": (VEC, bf16x8_at)}
+_TRANSPOSED = {
+    "f32": lambda rows: _make_transposed(rows, f32_weight),
+    "bf16": lambda rows: _make_transposed(rows, bf16_weight),
+    "f32x8": lambda rows: _make_transposed_vec(rows, f32x8),
+    "bf16x8": lambda rows: _make_transposed_vec(rows, bf16x8),
 }
-_KERNELS = {}  # (family, kind, rows) -> kernel, built on first use
-_REDUCE_BIAS = {dtype: _make_reduce_bias(to_f32) for dtype, to_f32 in WEIGHT_READERS.items()}
+_KERNELS = {}  # (family, weight kind, rows, bias kind) -> kernel, built on first use
 
 
-def kernel_for(family: str, kind: str, rows: int):
-    """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16" or "bf16x2" and R = rows
-    (built and cached on first use)."""
-    key = (family, kind, rows)
+def kernel_for(family: str, kind: str, rows: int, bias: str = "f32"):
+    """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
+    R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), built and cached on first use."""
+    key = (family, kind, rows, bias)
     if key not in _KERNELS:
-        _KERNELS[key] = _FACTORIES[family, kind](rows)
+        if family == "split_k":
+            width, load = _SPLIT_K_LOADS[kind]
+            _KERNELS[key] = _make_split_k(rows, width, load, _READERS[bias])
+        else:
+            _KERNELS[key] = _TRANSPOSED[kind](rows)
     return _KERNELS[key]
 
 
-def weight_kind(w, pairs: bool) -> str:
-    """"f32" for float32 weights; for bf16 (uint16) "bf16x2" when `pairs` (w is C-contiguous and its last axis,
-    the one read along, has even length: a uint32 view of w exists), else "bf16"."""
+_done = None  # the split-K kernels' per-group counters: zero between launches (the last block resets its own)
+
+
+def done_counters(groups: int):
+    """An int32 device array of at least `groups` zeros, kept for all split-K launches of the process (one
+    stream at a time: two split-K kernels running concurrently would share it)."""
+    global _done
+    if _done is None or _done.size < groups:
+        _done = cuda.to_device(np.zeros(max(groups, 4096), np.int32))
+    return _done
+
+
+@functools.cache
+def no_bias():
+    """A float32 device array of length 0: the split-K kernel's "no bias"."""
+    return cuda.to_device(np.zeros(0, np.float32))
+
+
+def aligned16(arr) -> bool:
+    """arr is C-contiguous and starts on a 16-byte boundary (always true of the simulator's arrays)."""
+    return arr.is_c_contiguous() and (SIMULATOR or arr.device_ctypes_pointer.value % 16 == 0)
+
+
+def words(arr):
+    """The flat uint32 view of a C-contiguous device array whose size in bytes is a multiple of 4."""
+    return arr.view(np.uint32).reshape(arr.size * arr.dtype.itemsize // 4)
+
+
+def weight_kind(w, vector: bool) -> str:
+    """"f32x8" or "bf16x8" when `vector` (16-byte loads possible), else "f32" or "bf16" (float32 or uint16)."""
     pick(WEIGHT_READERS, w)  # TypeError for other dtypes
-    if np.dtype(w.dtype) == np.float32:
-        return "f32"
-    return "bf16x2" if pairs else "bf16"
+    kind = "f32" if np.dtype(w.dtype) == np.float32 else "bf16"
+    return kind + "x8" if vector else kind
 
 
 def _grid_stride_blocks(n: int, per_block: int) -> int:
@@ -333,7 +395,7 @@ def _grid_stride_blocks(n: int, per_block: int) -> int:
 
 def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
-    for 1 <= R <= MAX_ROWS: split-K kernel into a scratch [S, R, N], then the slice sum (and the bias)."""
+    for 1 <= R <= MAX_ROWS: one split-K kernel, through a scratch [S, R, N] of partial sums (see the top)."""
     (R, K), (K2, N) = a.shape, b.shape
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"matmul_narrow: a has {R} rows, expected 1 to {MAX_ROWS} (use linear)")
@@ -341,18 +403,14 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
         raise ValueError(f"matmul_narrow: a is {a.shape}, b is {b.shape}, bias {None if bias is None else bias.shape}")
     if out is not None and out.shape != (R, N):
         raise ValueError(f"matmul_narrow: out is {out.shape}, expected {(R, N)}")
-    kind = weight_kind(b, pairs=N % 2 == 0 and b.is_c_contiguous())
-    if kind == "bf16x2":
-        b, cols = b.view(np.uint32), 64
-    else:
-        cols = 32
-    reduce = reduce_slices if bias is None else pick(_REDUCE_BIAS, bias)
+    kind = weight_kind(b, vector=N % VEC == 0 and aligned16(b))
+    width = VEC if kind.endswith("x8") else 1
+    bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    slices = split_k(K, N, cols, sm_count())
+    groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
     partial = empty((slices, R, N), np.float32, stream, rt)
-    launch(kernel_for("split_k", kind, R), (-(-N // cols), slices), THREADS, stream, rt, a, b, partial)
-    sums = (partial, out) if bias is None else (partial, bias, out)
-    launch(reduce, _grid_stride_blocks(R * N, REDUCE_THREADS), REDUCE_THREADS, stream, rt, *sums)
+    launch(kernel_for("split_k", kind, R, bias_kind), (groups, slices), THREADS, stream, rt,
+           a, words(b) if width == VEC else b, no_bias() if bias is None else bias, partial, done_counters(groups), out)
     return out
 
 
@@ -375,9 +433,8 @@ def matmul_transposed(a, b, out=None, stream=0, rt=None):
         raise ValueError(f"matmul_transposed: a is {a.shape}, b is {b.shape} (expected [N, {K}])")
     if out is not None and out.shape != (R, N):
         raise ValueError(f"matmul_transposed: out is {out.shape}, expected {(R, N)}")
-    kind = weight_kind(b, pairs=K % 2 == 0 and b.is_c_contiguous())
-    if kind == "bf16x2":
-        b = b.view(np.uint32)
+    kind = weight_kind(b, vector=K % VEC == 0 and aligned16(b) and aligned16(a))
+    a, b, per_block = (words(a), words(b), WARPS * 32 // TEAM) if kind.endswith("x8") else (a, b, WARPS)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    launch(kernel_for("transposed", kind, R), _grid_stride_blocks(N, WARPS), THREADS, stream, rt, a, b, out)
+    launch(kernel_for("transposed", kind, R), _grid_stride_blocks(N, per_block), THREADS, stream, rt, a, b, out)
     return out
