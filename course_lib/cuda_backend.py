@@ -19,6 +19,8 @@ from .kernels import copy as k_copy
 from .kernels import elementwise as k_elt
 from .kernels import matmul as k_matmul
 from .kernels import narrow as k_narrow
+from .kernels import paged_attention as k_paged
+from .kv_cache import PagedKVCache
 from .model import Model
 from .runtime import Runtime
 from .safetensors_io import f32_to_bf16
@@ -28,7 +30,9 @@ from .safetensors_io import f32_to_bf16
 OP_CHOICES = {
     # every projection: the 64x64-tile matmul | split-K narrow matmul for <= 16 rows, tiled above (notebook 02)
     "matmul": ("tiled", "narrow"),
-    "kv_cache": ("concat",),  # a new, longer cache every pass, the old one copied into it
+    # a new, longer cache every pass, the old one copied into it | pages allocated once, rows written in place,
+    # read by flash-decoding attention; intermediates recycled from pass to pass (notebooks 03, 04)
+    "kv_cache": ("concat", "paged"),
     # tied embeddings: transpose the table, then matmul | a . table^T read in place (notebook 02)
     "logits": ("transpose", "transposed"),
     # Q/K/V bias: added by its own kernel | added by the matmul's reduction (notebook 02)
@@ -36,8 +40,10 @@ OP_CHOICES = {
 }
 BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
 NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
+PAGED = NARROW | {"kv_cache": "paged"}
 # The progression `bench` prints, one step per notebook: same text at every step.
-STEPS = {"baseline": BASELINE, "narrow matmul (02)": NARROW}
+STEPS = {"baseline": BASELINE, "narrow matmul (02)": NARROW, "paged cache, flash-decoding (03, 04)": PAGED}
+PAGE_SIZE = 16
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -48,6 +54,8 @@ def resolve_ops(ops: dict | None) -> dict:
             raise ValueError(f"unknown op {op!r} (ops: {', '.join(OP_CHOICES)})")
         if choice not in OP_CHOICES[op]:
             raise ValueError(f"op {op!r} has no choice {choice!r} (choices: {', '.join(OP_CHOICES[op])})")
+    if chosen["kv_cache"] == "paged" and chosen["matmul"] != "narrow":
+        raise ValueError("the paged cache comes after the narrow matmul: use matmul='narrow' with it")
     if chosen["bias"] == "fused" and chosen["matmul"] != "narrow":
         raise ValueError("a fused bias is added by the narrow matmul's reduction: use matmul='narrow' with it")
     return chosen
@@ -60,7 +68,7 @@ def upload_weights(model: Model, rt: Runtime, dtype: str) -> dict:
 
     def put(arr, keep_f32=False):
         host = arr if keep_f32 or dtype == "f32" else f32_to_bf16(arr)
-        return rt.to_device(host)
+        return rt.to_device(host, persistent=True)
 
     w = model.weights
     out = {"embed": put(w.embed), "final_norm": put(w.final_norm, True),
@@ -74,7 +82,8 @@ def upload_weights(model: Model, rt: Runtime, dtype: str) -> dict:
 
 
 class CudaBackend:
-    """Baseline CUDA backend for one sequence. prefill(ids) / decode(token) -> logits [V] (host, float32)."""
+    """CUDA backend for one sequence. prefill(ids) / decode(token) -> logits [V] (host, float32); reset() empties
+    the cache. With kv_cache="paged" the cache is a PagedKVCache (float32) and the runtime recycles its arrays."""
 
     name = "cuda"
 
@@ -82,16 +91,28 @@ class CudaBackend:
                  ops: dict | None = None):
         self.model, self.config = model, model.config
         self.ops = resolve_ops(ops)
-        self.rt = Runtime(fast=fast_launch)
+        self.paged = self.ops["kv_cache"] == "paged"
+        self.rt = Runtime(fast=fast_launch, reuse=self.paged)
         self.weights_dtype = weights
         self.w = upload_weights(model, self.rt, weights)
         cos, sin = reference.rope_tables(self.config, capacity)
-        self.cos, self.sin = self.rt.to_device(cos), self.rt.to_device(sin)
+        self.cos, self.sin = self.rt.to_device(cos, persistent=True), self.rt.to_device(sin, persistent=True)
         self.capacity = capacity
-        self.length = 0
-        self.k_cache = [None] * self.config.n_layers  # [S, d_kv] per layer, grown by concatenation
-        self.v_cache = [None] * self.config.n_layers
+        if self.paged:
+            self.cache = PagedKVCache(self.config, pages=-(-capacity // PAGE_SIZE), page_size=PAGE_SIZE)
+        self.reset()
         self.rt.allocations = 0  # count what the passes allocate, not the upload
+
+    def reset(self):
+        """Forget the sequence: the next prefill starts at position 0."""
+        self.length = 0
+        if self.paged:
+            if 0 in self.cache:
+                self.cache.free(0)
+            self.cache.add(0, self.capacity)
+        else:
+            self.k_cache = [None] * self.config.n_layers  # [S, d_kv] per layer, grown by concatenation
+            self.v_cache = [None] * self.config.n_layers
 
     def prefill(self, ids) -> np.ndarray:
         return self.forward(np.asarray(ids, np.int32))
@@ -110,26 +131,44 @@ class CudaBackend:
         k_copy.copy(new_rows.reshape(new_rows.size), flat[old_rows * new_rows.shape[1]:], rt=rt)
         return grown
 
+    def _upload_pass(self, ids, start):
+        """Device arrays (ids, positions, slots, page table) of this pass. Paged: one host-to-device transfer,
+        shared by every layer (the slots are reserved in the cache here)."""
+        T, rt = len(ids), self.rt
+        positions = np.arange(start, start + T, dtype=np.int32)
+        if not self.paged:
+            return rt.to_device(ids), rt.to_device(positions), None, None
+        slots = self.cache.slots(0, T)
+        table = self.cache.page_table(0, self.cache.pages)
+        packed = rt.to_device(np.concatenate([ids, positions, slots, table]).astype(np.int32))
+        return packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[3 * T:]
+
     def forward(self, ids: np.ndarray) -> np.ndarray:
         """ids [T] int32 after the cached positions -> logits [V] of the last token (copied to the host)."""
         c, rt, w = self.config, self.rt, self.w
         T, start = len(ids), self.length
         if start + T > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} positions; {start} used + {T} new do not fit")
-        ids_d = rt.to_device(ids)
-        pos_d = rt.to_device(np.arange(start, start + T, dtype=np.int32))
+        rt.begin_pass()
+        ids_d, pos_d, slots_d, table_d = self._upload_pass(ids, start)
         x = k_elt.embedding(w["embed"], ids_d, rt=rt)
         for i, lw in enumerate(w["layers"]):
             h = k_elt.rms_norm(x, lw["attn_norm"], c.rms_eps, rt=rt)
             q, k, v = (self._linear(h, lw[m], lw[b]) for m, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
-            k_elt.rope(q.reshape(T, c.n_heads, c.head_dim), self.cos, self.sin, pos_d, rt=rt)
-            k_elt.rope(k.reshape(T, c.n_kv_heads, c.head_dim), self.cos, self.sin, pos_d, rt=rt)
-            self.k_cache[i] = self._grow(self.k_cache[i], k)
-            self.v_cache[i] = self._grow(self.v_cache[i], v)
-            S = start + T
-            a = k_attention.attention(q.reshape(T, c.n_heads, c.head_dim),
-                                      self.k_cache[i].reshape(S, c.n_kv_heads, c.head_dim),
-                                      self.v_cache[i].reshape(S, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
+            q, k, v = (y.reshape(T, -1, c.head_dim) for y in (q, k, v))
+            k_elt.rope(q, self.cos, self.sin, pos_d, rt=rt)
+            k_elt.rope(k, self.cos, self.sin, pos_d, rt=rt)
+            if self.paged:
+                k_paged.write_rows(k, self.cache.k[i], slots_d, rt=rt)
+                k_paged.write_rows(v, self.cache.v[i], slots_d, rt=rt)
+                a = k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table_d, pos_d, PAGE_SIZE,
+                                            max_len=start + T, rt=rt)
+            else:
+                self.k_cache[i] = self._grow(self.k_cache[i], k.reshape(T, c.d_kv))
+                self.v_cache[i] = self._grow(self.v_cache[i], v.reshape(T, c.d_kv))
+                S = start + T
+                a = k_attention.attention(q, self.k_cache[i].reshape(S, c.n_kv_heads, c.head_dim),
+                                          self.v_cache[i].reshape(S, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
             x = k_elt.add(x, self._linear(a.reshape(T, c.d_model), lw["wo"]), rt=rt)
             h = k_elt.rms_norm(x, lw["mlp_norm"], c.rms_eps, rt=rt)
             gate, up = self._linear(h, lw["w_gate"]), self._linear(h, lw["w_up"])
@@ -145,9 +184,16 @@ class CudaBackend:
         return logits.copy_to_host()[0]
 
     def _linear(self, x, weight, bias=None):
-        """x @ weight + bias, with the chosen matmul; the bias in its own kernel unless fused."""
+        """x [T, K] @ weight + bias, with the chosen matmul; the bias in its own kernel unless fused. With the paged
+        cache, the narrow matmul takes the rows 16 at a time even in a long prefill (not the tiled kernel): a
+        token's result is then the same bits whether it comes alone or inside a prompt (see notebook 03)."""
         rt, fused = self.rt, self.ops["bias"] == "fused"
-        if self.ops["matmul"] == "narrow":
+        if self.ops["matmul"] == "narrow" and self.paged:
+            step = k_narrow.MAX_ROWS
+            y = rt.empty((x.shape[0], weight.shape[1]))
+            for r in range(0, x.shape[0], step):
+                k_narrow.matmul_narrow(x[r:r + step], weight, bias if fused else None, out=y[r:r + step], rt=rt)
+        elif self.ops["matmul"] == "narrow":
             y = k_narrow.linear(x, weight, bias if fused else None, rt=rt)
         else:
             y = k_matmul.matmul(x, weight, rt=rt)

@@ -81,25 +81,52 @@ class Profile:
 
 
 class Runtime:
-    """Allocations and launches of one backend, counted; fast launches on a GPU unless fast=False."""
+    """Allocations and launches of one backend, counted; fast launches on a GPU unless fast=False.
 
-    def __init__(self, fast: bool = True):
+    With reuse=True, device arrays are recycled from one pass to the next, as PyTorch's caching allocator does:
+    the i-th `empty` (or `to_device`) of a pass gets the array the i-th call of an earlier pass got, when shape and
+    dtype match. A decode step then allocates nothing once the first step has run. Call `begin_pass` at the start
+    of every pass; arrays from a pass are valid until the next pass."""
+
+    def __init__(self, fast: bool = True, reuse: bool = False):
         self.fast = fast and not SIMULATOR
+        self.reuse = reuse
         self.stream = cuda.default_stream()
         self._core_stream = None
         self._fast_kernels = {}
+        self._pool = {}  # (call index in the pass, shape, dtype) -> device array, when reuse is on
+        self._calls = 0
         self.launches = 0
         self.allocations = 0
+        self.transfers = 0  # host-to-device copies
         self.profile: Profile | None = None
 
-    def empty(self, shape, dtype=np.float32):
-        """A fresh device array (counted: the baseline allocates every intermediate, later notebooks do not)."""
-        self.allocations += 1
-        return cuda.device_array(shape, dtype=dtype)
+    def begin_pass(self):
+        self._calls = 0
 
-    def to_device(self, array):
-        self.allocations += 1
-        return cuda.to_device(np.ascontiguousarray(array))
+    def empty(self, shape, dtype=np.float32):
+        """A device array: fresh and counted, or (reuse) the one this call got in an earlier pass."""
+        if not self.reuse:
+            self.allocations += 1
+            return cuda.device_array(shape, dtype=dtype)
+        key = (self._calls, tuple(np.atleast_1d(shape)), np.dtype(dtype).str)
+        self._calls += 1
+        if key not in self._pool:
+            self.allocations += 1
+            self._pool[key] = cuda.device_array(shape, dtype=dtype)
+        return self._pool[key]
+
+    def to_device(self, array, persistent: bool = False):
+        """A device copy of a host array (one transfer), in a fresh or (reuse) recycled device array; persistent
+        arrays (weights, tables) are always fresh and never recycled."""
+        array = np.ascontiguousarray(array)
+        self.transfers += 1
+        if persistent or not self.reuse:
+            self.allocations += 1
+            return cuda.to_device(array)
+        out = self.empty(array.shape, array.dtype)
+        out.copy_to_device(array)
+        return out
 
     def launch(self, name: str, kernel, grid, block, *args):
         """kernel[grid, block](*args), counted, profiled when a Profile is attached."""

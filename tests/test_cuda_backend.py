@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from course_lib import generate, reference
-from course_lib.cuda_backend import NARROW, CudaBackend
-from course_lib.generate import BACKENDS
+from course_lib.cuda_backend import NARROW, PAGED, CudaBackend
+from course_lib.generate import BACKENDS, sample
 from course_lib.kernels import SIMULATOR
 from course_lib.profiler import profile_decode
 from course_lib.weights import round_to_bf16
@@ -37,16 +37,16 @@ def cuda_backend(monkeypatch):
     return use
 
 
-@pytest.mark.parametrize("ops", [None, NARROW], ids=["baseline", "narrow"])
+@pytest.mark.parametrize("ops", [None, NARROW, PAGED], ids=["baseline", "narrow", "paged"])
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
 def test_logits_match_reference(request, model, weights, ops):
     if ops is not None and SIMULATOR:
         model = request.getfixturevalue("tiny")  # tied embeddings: the transposed logits kernel
     c = model.config
     ref_model = as_computed(model, weights)
-    ids = np.random.default_rng(5).integers(0, c.vocab_size, 9)
-    backend = CudaBackend(model, 16, weights=weights, ops=ops)
-    cache, rope = reference.KVCache(c, 16), reference.rope_tables(c, 16)
+    ids = np.random.default_rng(5).integers(0, c.vocab_size, 9 if SIMULATOR else 40)  # 40: 3 pages
+    backend = CudaBackend(model, 48, weights=weights, ops=ops)
+    cache, rope = reference.KVCache(c, 48), reference.rope_tables(c, 48)
     pairs = [(backend.prefill(ids), reference.forward(ref_model.weights, c, ids, cache, rope))]
     for token in (3, 17):
         pairs.append((backend.decode(token), reference.forward(ref_model.weights, c, [token], cache, rope)))
@@ -102,3 +102,55 @@ def test_op_choices_are_checked(tiny):
 def test_fused_bias_needs_the_narrow_matmul(tiny):
     with pytest.raises(ValueError, match="fused bias"):
         CudaBackend(tiny, 4, ops={"bias": "fused"})
+
+
+# ---- the paged cache (notebook 03) ----
+
+N_NO_CACHE = 5 if SIMULATOR else 400  # tokens generated with and without the cache
+
+
+def test_paged_step_allocates_nothing(tiny):
+    """With the paged cache, a decode step in steady state allocates no device memory and uploads once."""
+    backend = CudaBackend(tiny, 40, weights="f32", ops=PAGED)
+    backend.prefill([1, 2, 3])
+    backend.decode(4)  # the first step of this shape fills the runtime's pool
+    transfers = backend.rt.transfers
+    step = profile_decode(backend, 5)
+    assert step.allocations == 0 and backend.rt.transfers == transfers + 1
+    baseline = CudaBackend(tiny, 40, weights="f32")
+    baseline.prefill([1, 2, 3])
+    assert profile_decode(baseline, 4).allocations > 2 * tiny.config.n_layers
+
+
+def test_paged_cache_full_is_an_error(tiny):
+    backend = CudaBackend(tiny, 20, weights="f32", ops=PAGED)
+    backend.prefill(list(range(1, 19)))
+    with pytest.raises(ValueError, match="do not fit"):
+        backend.prefill([1, 2, 3])
+    backend.decode(5)  # still usable
+    backend.reset()
+    assert backend.length == 0
+    backend.prefill([7])
+    assert backend.cache.free_pages == backend.cache.pages - 1  # the old pages came back
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_cache_equals_no_cache(request, temperature):
+    """Generation with the paged cache gives the same logits, bit for bit, and so the same tokens, as recomputing
+    the whole sequence every token (reset, then prefill): the cache changes the work, not the result."""
+    model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
+    prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
+    capacity = len(prompt) + N_NO_CACHE
+    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=PAGED) for _ in range(2))
+    rng_cached, rng_fresh = np.random.default_rng(7), np.random.default_rng(7)
+    ids = list(prompt)
+    logits = cached.prefill(ids)
+    for _ in range(N_NO_CACHE):
+        fresh.reset()
+        again = fresh.prefill(ids)
+        np.testing.assert_array_equal(logits.view(np.uint32), again.view(np.uint32))
+        token = sample(logits, temperature, None, 0.95 if temperature else None, rng_cached)
+        assert token == sample(again, temperature, None, 0.95 if temperature else None, rng_fresh)
+        ids.append(token)
+        if len(ids) < capacity:
+            logits = cached.decode(token)
