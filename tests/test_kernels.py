@@ -3,17 +3,17 @@
 Shapes are tiny (the simulator runs each CUDA thread as a Python thread) and never multiples of the block or
 tile sizes. Weights are tried as float32 and as bf16 (uint16 bits); the reference then sees the widened float32
 values, so both sides compute with the same numbers. Every output is filled with NaN (or a sentinel) before the
-kernel runs, so an element the kernel forgets to write fails the test. Seed: KERNEL_TEST_SEED (default below).
+kernel runs, so an element the kernel forgets to write fails the test. Seed: KERNEL_TEST_SEED (default in checks.py).
 
 On a GPU, the `test_*_real` tests also run every kernel at the real shapes of SmolLM2-135M and Llama-3.2-1B
 (skipped in the simulator).
 """
 
 import os
-import zlib
 
 import numpy as np
 import pytest
+from checks import U32, check, dev, poison, poisoned, randn
 
 from course_lib import reference as R
 from course_lib.config import LLAMA_32_1B, ModelConfig
@@ -25,20 +25,7 @@ from course_lib.kernels import matmul as mm
 from course_lib.kernels import narrow as nw
 from course_lib.safetensors_io import bf16_to_f32, f32_to_bf16
 
-SEED = int(os.environ.get("KERNEL_TEST_SEED", "20261129"))
-U32 = 2.0**-24  # unit roundoff of float32: a rounded operation errs by at most U32 * |exact result|
 WEIGHT_DTYPES = ["f32", "bf16"]
-
-
-@pytest.fixture
-def rng(request):
-    seed = [SEED, zlib.crc32(request.node.name.encode())]
-    print(f"rng seed {seed} (set KERNEL_TEST_SEED to vary)")
-    return np.random.default_rng(seed)
-
-
-def randn(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def weight(rng, dtype, *shape):
@@ -50,21 +37,6 @@ def weight(rng, dtype, *shape):
     return bits, bf16_to_f32(bits)
 
 
-def dev(x):
-    return cuda.to_device(np.ascontiguousarray(x))
-
-
-def poison(dtype):
-    """What an unwritten element holds: NaN (float), 0xFFFF (uint16, bf16 bits: a NaN) or -7 (other integers)."""
-    dtype = np.dtype(dtype)
-    return np.nan if dtype.kind == "f" else 0xFFFF if dtype == np.uint16 else -7
-
-
-def poisoned(shape, dtype=np.float32):
-    """A device array full of poison(dtype): unwritten elements show up."""
-    return dev(np.full(shape, poison(dtype), dtype))
-
-
 def dot_tolerance(a, b, c=2.0):
     """Elementwise bound on |kernel - reference| for a @ b computed in float32 (a [..., K], b [K, N]).
 
@@ -73,17 +45,6 @@ def dot_tolerance(a, b, c=2.0):
     summation). The kernel and the reference each commit such an error, in different orders: hence c = 2.
     """
     return c * a.shape[-1] * U32 * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64))
-
-
-def check(got, want, tol, what=""):
-    """No NaN, and |got - want| <= tol elementwise (tol may be a scalar or an array); `what` prefixes failures."""
-    got, what = np.asarray(got), f"{what}: " if what else ""
-    assert not np.isnan(got).any(), f"{what}{np.isnan(got).sum()} NaN in the output (unwritten elements?)"
-    err = np.abs(got.astype(np.float64) - want)
-    excess = err - tol
-    worst = np.unravel_index(np.argmax(excess), excess.shape)
-    limit = np.broadcast_to(tol, err.shape)[worst]
-    assert (excess <= 0).all(), f"{what}error {err[worst]:.3g} > tolerance {limit:.3g} at {worst}"
 
 
 def rms_norm_tolerance(want):

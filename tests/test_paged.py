@@ -7,15 +7,13 @@ with the bf16-rounded values the kernel reads. On a GPU, the `_real` tests also 
 Llama-3.2-1B up to 4096 keys (skipped in the simulator).
 """
 
-import os
-import zlib
-
 import numpy as np
 import pytest
+from checks import U32, check, dev, randn
 
 from course_lib import reference as R
-from course_lib.config import LLAMA_32_1B, ModelConfig
-from course_lib.kernels import SIMULATOR, cuda
+from course_lib.config import LLAMA_32_1B, SMOLLM2_135M, ModelConfig
+from course_lib.kernels import SIMULATOR
 from course_lib.kernels import paged_attention as pa
 from course_lib.kv_cache import (
     CacheFullError,
@@ -26,38 +24,8 @@ from course_lib.kv_cache import (
 )
 from course_lib.safetensors_io import bf16_to_f32, f32_to_bf16
 
-SEED = int(os.environ.get("KERNEL_TEST_SEED", "20261129"))
-U32 = 2.0**-24  # unit roundoff of float32
 TINY = ModelConfig("llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                    max_seq_len=256, name="tiny")
-SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
-                           max_seq_len=8192, name="SmolLM2-135M")
-
-
-@pytest.fixture
-def rng(request):
-    seed = [SEED, zlib.crc32(request.node.name.encode())]
-    print(f"rng seed {seed} (set KERNEL_TEST_SEED to vary)")
-    return np.random.default_rng(seed)
-
-
-def randn(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
-
-
-def dev(x):
-    return cuda.to_device(np.ascontiguousarray(x))
-
-
-def check(got, want, tol, what=""):
-    """No NaN, and |got - want| <= tol elementwise (as in test_kernels.py)."""
-    got, what = np.asarray(got), f"{what}: " if what else ""
-    assert not np.isnan(got).any(), f"{what}{np.isnan(got).sum()} NaN in the output (unwritten elements?)"
-    err = np.abs(got.astype(np.float64) - want)
-    excess = err - tol
-    worst = np.unravel_index(np.argmax(excess), excess.shape)
-    limit = np.broadcast_to(tol, err.shape)[worst]
-    assert (excess <= 0).all(), f"{what}error {err[worst]:.3g} > tolerance {limit:.3g} at {worst}"
 
 
 # ---- PagedKVCache: host bookkeeping ----

@@ -1,0 +1,40 @@
+"""Helpers shared by the kernel tests: fresh random inputs, device copies, poisoned outputs, error checks."""
+
+import os
+
+import numpy as np
+
+from course_lib.kernels import cuda
+
+SEED = int(os.environ.get("KERNEL_TEST_SEED", "20261129"))
+U32 = 2.0**-24  # unit roundoff of float32: a rounded operation errs by at most U32 * |exact result|
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def dev(x):
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def poison(dtype):
+    """What an unwritten element holds: NaN (float), 0xFFFF (uint16, bf16 bits: a NaN) or -7 (other integers)."""
+    dtype = np.dtype(dtype)
+    return np.nan if dtype.kind == "f" else 0xFFFF if dtype == np.uint16 else -7
+
+
+def poisoned(shape, dtype=np.float32):
+    """A device array full of poison(dtype): unwritten elements show up."""
+    return dev(np.full(shape, poison(dtype), dtype))
+
+
+def check(got, want, tol, what=""):
+    """No NaN, and |got - want| <= tol elementwise (tol may be a scalar or an array); `what` prefixes failures."""
+    got, what = np.asarray(got), f"{what}: " if what else ""
+    assert not np.isnan(got).any(), f"{what}{np.isnan(got).sum()} NaN in the output (unwritten elements?)"
+    err = np.abs(got.astype(np.float64) - want)
+    excess = err - tol
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    limit = np.broadcast_to(tol, err.shape)[worst]
+    assert (excess <= 0).all(), f"{what}error {err[worst]:.3g} > tolerance {limit:.3g} at {worst}"
