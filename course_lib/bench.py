@@ -141,6 +141,40 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
     return out
 
 
+def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[dict]:
+    """GB/s of keys and values read by one decode step's attention (one query, float32 cache, GPU time, see
+    _gb_per_s), at each context length: the baseline kernel over a contiguous cache, and flash-decoding over a
+    paged cache (pages of 16 in shuffled order). The runs rotate over enough caches (>= 256 MB) that they come
+    from memory, not from the L2 cache. Rows: {"context", "MB", "baseline", "flash", "chunks"}."""
+    from .kernels import attention as k_attention
+    from .kernels import paged_attention as k_paged
+
+    rng = np.random.default_rng(0)
+    H, Hkv, hd, page = config.n_heads, config.n_kv_heads, config.head_dim, 16
+    q = cuda.to_device(rng.standard_normal((1, H, hd), dtype=np.float32))
+    out = []
+    for n in lengths:
+        pages = -(-n // page)
+        kv = rng.standard_normal((2, pages * page, Hkv, hd), dtype=np.float32)
+        copies = by_mode(max(2, -(-(256 << 20) // kv.nbytes)), 2)
+        caches = [(cuda.to_device(kv[0]), cuda.to_device(kv[1])) for _ in range(copies)]
+        positions = cuda.to_device(np.array([n - 1], np.int32))
+        table = cuda.to_device(rng.permutation(pages).astype(np.int32))
+        nbytes = 2 * n * Hkv * hd * 4
+        row = {"context": n, "MB": nbytes / 1e6, "chunks": k_paged.chunks_for(n, Hkv, page)[1]}
+        def baseline(c, n=n, positions=positions):
+            return k_attention.attention(q, c[0][:n], c[1][:n], positions)
+
+        def flash(c, n=n, positions=positions, table=table):
+            return k_paged.flash_attention(q, c[0], c[1], table, positions, page, n)
+
+        row["baseline"] = _gb_per_s(baseline, caches, nbytes, repeats)
+        row["flash"] = _gb_per_s(flash, caches, nbytes, repeats)
+        del caches
+        out.append(row)
+    return out
+
+
 def measure_launch_overhead(n: int = 2000) -> dict:
     """Host microseconds per launch of a tiny kernel (8 array arguments, as in the model's kernels), through
     Numba's dispatcher and through the runtime's fast path. The GPU work is negligible; launches queue up."""
