@@ -17,7 +17,7 @@ from checks import U32, check, dev, poison, poisoned, randn
 
 from course_lib import reference as R
 from course_lib.config import LLAMA_32_1B, ModelConfig
-from course_lib.kernels import SIMULATOR, cuda, sampling
+from course_lib.kernels import SIM_SMS, SIMULATOR, cuda, sampling
 from course_lib.kernels import attention as attn
 from course_lib.kernels import copy as copy_k
 from course_lib.kernels import elementwise as ew
@@ -659,7 +659,7 @@ def test_split_k_grid_near_target():
             assert abs(groups * S - target) <= groups / 2 or (S == 1 and groups > target), (N, cols, S)
     assert nw.split_k(8192, 2048, 32, 132) == 4  # 64 groups x 4 = 256 blocks for 264 wanted
     assert nw.split_k(576, 576, 32, 132) == 9  # capped: 9 slices of 64
-    assert nw.split_k(200, 70, 32, nw.SIM_SMS) == 3  # the simulator tests' shape
+    assert nw.split_k(200, 70, 32, SIM_SMS) == 3  # the simulator tests' shape
 
 
 @real_shapes

@@ -12,6 +12,7 @@ Host wrappers launch on `stream`, or through `rt` when given (a `course_lib.runt
 allocations and launches and can profile them): see `launch` and `empty`.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -31,6 +32,15 @@ if SIMULATOR:
     from . import _sim
 
     _sim.install()
+
+
+SIM_SMS = 4  # "SMs" of the simulator, for the kernels that size their grid by the SM count (few blocks: it is slow)
+
+
+@functools.cache
+def sm_count(simulated: int = SIM_SMS) -> int:
+    """SMs of the current GPU (`simulated` in the simulator)."""
+    return simulated if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def sized(gpu: int, simulator: int) -> int:

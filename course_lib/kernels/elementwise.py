@@ -19,9 +19,10 @@ FULL_MASK = 0xFFFFFFFF
 # ---- block reductions (blockDim.x a multiple of 32, at most 1024; every thread of the block must call) ----
 
 @cuda.jit(device=True)
-def warp_sum(v):
-    """Sum of v over the 32 lanes of the warp; every lane gets it (butterfly of shfl_xor_sync)."""
-    offset = 16
+def segment_sum(v, width):
+    """Sum of v over the aligned segment of `width` lanes (a power of two <= 32; 32: the warp) that holds this
+    lane; every lane gets it (butterfly of shfl_xor_sync). Every lane of the warp calls, with the same width."""
+    offset = width // 2
     while offset > 0:
         v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
         offset //= 2
@@ -29,41 +30,35 @@ def warp_sum(v):
 
 
 @cuda.jit(device=True)
-def warp_max(v):
-    """Maximum of v over the 32 lanes of the warp; every lane gets it."""
-    offset = 16
+def segment_max(v, width):
+    """Maximum of v over the aligned segment of `width` lanes that holds this lane (as segment_sum)."""
+    offset = width // 2
     while offset > 0:
         v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
         offset //= 2
     return v
 
 
-@cuda.jit(device=True)
-def block_sum(v, scratch):
-    """Sum of v over the block; every thread gets it. scratch: shared float32[32], free again on return."""
-    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
-    v = warp_sum(v)
-    if lane == 0:
-        scratch[warp] = v
-    cuda.syncthreads()
-    v = scratch[lane] if lane < cuda.blockDim.x // 32 else float32(0)
-    v = warp_sum(v)
-    cuda.syncthreads()
-    return v
+def _make_block_reduce(segment_reduce, identity):
+    @cuda.jit(device=True)
+    def block_reduce(v, scratch):
+        """v reduced over the block (each warp, then the warps' results); every thread gets it. scratch: shared
+        float32[32], free again on return."""
+        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        v = segment_reduce(v, 32)
+        if lane == 0:
+            scratch[warp] = v
+        cuda.syncthreads()
+        v = scratch[lane] if lane < cuda.blockDim.x // 32 else identity
+        v = segment_reduce(v, 32)
+        cuda.syncthreads()
+        return v
+
+    return block_reduce
 
 
-@cuda.jit(device=True)
-def block_max(v, scratch):
-    """Maximum of v over the block; every thread gets it. scratch: shared float32[32], free again on return."""
-    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
-    v = warp_max(v)
-    if lane == 0:
-        scratch[warp] = v
-    cuda.syncthreads()
-    v = scratch[lane] if lane < cuda.blockDim.x // 32 else float32(-math.inf)
-    v = warp_max(v)
-    cuda.syncthreads()
-    return v
+block_sum = _make_block_reduce(segment_sum, float32(0))  # block_sum(v, scratch): the sum of v over the block
+block_max = _make_block_reduce(segment_max, float32(-math.inf))  # block_max(v, scratch): its maximum
 
 
 # ---- kernels ----

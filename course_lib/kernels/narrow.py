@@ -37,9 +37,20 @@ import functools
 import numpy as np
 from numba import float32, int32, uint32
 
-from course_lib.kernels import SIMULATOR, WEIGHT_READERS, bf16_weight, cuda, empty, f32_weight, launch, pick, sized
+from course_lib.kernels import (
+    SIMULATOR,
+    WEIGHT_READERS,
+    bf16_weight,
+    cuda,
+    empty,
+    f32_weight,
+    launch,
+    pick,
+    sized,
+    sm_count,
+)
 from course_lib.kernels import matmul as mm
-from course_lib.kernels.elementwise import FULL_MASK, warp_sum
+from course_lib.kernels.elementwise import segment_sum
 from course_lib.kernels.vector import load16
 
 MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
@@ -50,7 +61,6 @@ VEC = 8  # elements per lane and 16-byte load group
 TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = 2  # split_k's target: this many blocks per SM (2 measured faster than 4 or 8 on the H200)
-SIM_SMS = 4  # "SMs" of the simulator, for split_k (small: few blocks, as the simulator is slow)
 MAX_GRID = sized(1 << 20, 2)  # grid cap of the grid-stride kernels (never reached on a GPU)
 
 
@@ -69,19 +79,7 @@ def split_k(K: int, N: int, cols_per_block: int, sms: int) -> int:
     return max(1, min(slices, K // MIN_SLICE))
 
 
-@functools.cache
-def sm_count() -> int:
-    """SMs of the current GPU (SIM_SMS in the simulator)."""
-    return SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
-
-
 # ---- device functions ----
-
-@cuda.jit(device=True)
-def bf16_low(w):
-    """The float32 value of the bf16 in the low half of w (uint32: the first of two adjacent uint16)."""
-    return cuda.libdevice.int_as_float(w << uint32(16))
-
 
 @cuda.jit(device=True)
 def bf16_high(w):
@@ -93,8 +91,8 @@ def bf16_high(w):
 def bf16x8(words, i):
     """The 8 float32 values of the bf16 elements 8 i .. 8 i + 7 of an array seen as uint32 `words`: one load."""
     w0, w1, w2, w3 = load16(words, i)
-    return (bf16_low(w0), bf16_high(w0), bf16_low(w1), bf16_high(w1),
-            bf16_low(w2), bf16_high(w2), bf16_low(w3), bf16_high(w3))
+    return (bf16_weight(w0), bf16_high(w0), bf16_weight(w1), bf16_high(w1),  # bf16_weight: the low half
+            bf16_weight(w2), bf16_high(w2), bf16_weight(w3), bf16_high(w3))
 
 
 @cuda.jit(device=True)
@@ -125,16 +123,6 @@ def dot8(acc, x, w):
     for c in range(VEC):
         acc += x[c] * w[c]
     return acc
-
-
-@cuda.jit(device=True)
-def team_sum(v):
-    """Sum of v over the TEAM lanes of its team (lanes 8 t .. 8 t + 7 of the warp); every lane of the warp calls."""
-    offset = TEAM // 2
-    while offset > 0:
-        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
-        offset //= 2
-    return v
 
 
 @cuda.jit(device=True)
@@ -254,7 +242,7 @@ def _make_transposed(rows, to_f32):
                     acc[r] += a[r, k] * w
                 k += 32
             for r in range(rows):
-                v = warp_sum(acc[r])
+                v = segment_sum(acc[r], 32)
                 if lane == 0:
                     out[r, n] = v
 
@@ -297,7 +285,7 @@ def _make_transposed_vec(rows, load8):
                             acc[r] += x[c] * w[c]
                     j += TEAM
             for r in range(rows):  # every lane of the warp takes part in the shuffles
-                v = team_sum(acc[r])
+                v = segment_sum(acc[r], TEAM)  # the team's 8 lanes
                 if j0 == 0 and n < N:
                     out[r, n] = v
 

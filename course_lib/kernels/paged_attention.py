@@ -37,15 +37,14 @@ at 16384 keys 237 and 277 GB/s. Far from the ~3.5 TB/s the memory allows: the ke
 latency (numba's 64-bit signed index arithmetic, 128 registers: two blocks per SM), not by memory.
 """
 
-import functools
 import math
 
 import numpy as np
 from numba import float32, int32, uint16, uint32
 from numba.cuda.misc.special import literal_unroll
 
-from course_lib.kernels import SIMULATOR, cuda, empty, f32_weight, for_weight_dtypes, launch, pick, sized
-from course_lib.kernels.elementwise import FULL_MASK
+from course_lib.kernels import SIMULATOR, cuda, empty, f32_weight, for_weight_dtypes, launch, pick, sized, sm_count
+from course_lib.kernels.elementwise import segment_max, segment_sum
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 8  # query heads per KV head (H / Hkv)
@@ -61,7 +60,7 @@ BLOCKS_PER_SM_MIN = 2  # launch bounds of flash_decode_chunks: registers for thi
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM_MIN)}
 MIN_CHUNK = sized(64, 16)  # no chunk shorter (then rounded up to a multiple of page_size)
 BLOCKS_PER_SM = sized(4, 2)  # the chunk count aims at this many blocks per SM
-SIM_SMS = 2  # "SMs" of the simulator (small: few blocks)
+SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
 MAX_CHUNKS = 1024  # chunks per query at most
 MERGE_THREADS = sized(256, 32)
 MERGE_UNROLL = 8  # partial outputs each merge thread loads at once
@@ -80,15 +79,9 @@ def chunk_len(n_keys, target, min_chunk, page_size):
 _chunk_len = cuda.jit(device=True)(chunk_len)
 
 
-@functools.cache
-def sm_count() -> int:
-    """SMs of the current GPU (SIM_SMS in the simulator)."""
-    return SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
-
-
 def chunk_target(n_kv_heads: int, sms: int | None = None) -> int:
     """Chunks per query that give BLOCKS_PER_SM blocks per SM with n_kv_heads blocks per chunk."""
-    sms = sm_count() if sms is None else sms
+    sms = sm_count(SIM_SMS) if sms is None else sms
     return max(1, min(MAX_CHUNKS, -(-BLOCKS_PER_SM * sms // n_kv_heads)))
 
 
@@ -157,17 +150,6 @@ def write_rows(new, table, slots, stream=0, rt=None):
 # ---- flash decoding ----
 
 @cuda.jit(device=True)
-def segment_max(v, width):
-    """Maximum of v over the aligned segment of `width` lanes (a power of two <= 32) holding this lane; every
-    lane of the warp must call (with the same width)."""
-    offset = width // 2
-    while offset > 0:
-        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
-        offset //= 2
-    return v
-
-
-@cuda.jit(device=True)
 def partial_dot(a, a0, b, b0, first, step, n):
     """sum of a[a0 + d] * b[b0 + d] over d = first, first + step, ... < n, in four interleaved running sums
     (four independent chains of multiply-adds in flight instead of one)."""
@@ -206,16 +188,6 @@ def weighted_sum(p, p0, v, d, hd, n):
         s0 += p[p0 + j] * v[j * hd + d]
         j += 1
     return (s0 + s1) + (s2 + s3)
-
-
-@cuda.jit(device=True)
-def segment_sum(v, width):
-    """Sum of v over the aligned segment of `width` lanes holding this lane (as segment_max)."""
-    offset = width // 2
-    while offset > 0:
-        v += cuda.shfl_xor_sync(FULL_MASK, v, offset)
-        offset //= 2
-    return v
 
 
 def _make_chunks(to_f32):
