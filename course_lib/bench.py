@@ -113,11 +113,21 @@ def _gb_per_s(run, buffers: list, nbytes: int, repeats: int) -> float:
     return nbytes * repeats / (cuda.event_elapsed_time(start, end) / 1e3) / 1e9
 
 
+def torch_cuda():
+    """PyTorch, when it is installed and sees a GPU (the peers of the kernels), else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
 def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows: int = 1, repeats: int = 30) -> list:
     """GB/s of weight bytes per matmul kernel (GPU time, see _gb_per_s), for each weight shape (K, N): the tiled
-    baseline, the narrow split-K kernel on b [K, N] (its two kernels), and the transposed kernel on the same
+    baseline, the narrow split-K kernel on b [K, N], and the transposed kernel on the same
     weights stored as [N, K]. The runs rotate over enough copies of the weights (>= 256 MB) that they come from
-    memory, not from the 50 MB L2 cache."""
+    memory, not from the 50 MB L2 cache. With PyTorch on the GPU, "torch": torch.nn.functional.linear on the
+    [N, K] weights (cuBLAS), activations in the weights' dtype, timed the same way (both use the default stream)."""
     from .kernels import matmul as k_matmul
     from .kernels import narrow as k_narrow
     from .safetensors_io import f32_to_bf16
@@ -137,6 +147,15 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
         nk = [cuda.to_device(np.ascontiguousarray(host.T)) for _ in range(copies)]
         row["transposed"] = _gb_per_s(partial(k_narrow.matmul_transposed, a), nk, host.nbytes, repeats)
         del nk
+        torch = torch_cuda()
+        if torch is not None:
+            dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+            w_t = torch.from_numpy(np.ascontiguousarray(host.T).view(np.int16 if weights == "bf16" else np.float32))
+            w_t = w_t.view(dtype)  # the same bits
+            ws = [w_t.cuda() for _ in range(copies)]
+            x = torch.from_numpy(a.copy_to_host()).cuda().to(dtype)
+            row["torch"] = _gb_per_s(partial(torch.nn.functional.linear, x), ws, host.nbytes, repeats)
+            del ws
         out.append(row)
     return out
 
@@ -145,7 +164,8 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[d
     """GB/s of keys and values read by one decode step's attention (one query, float32 cache, GPU time, see
     _gb_per_s), at each context length: the baseline kernel over a contiguous cache, and flash-decoding over a
     paged cache (pages of 16 in shuffled order). The runs rotate over enough caches (>= 256 MB) that they come
-    from memory, not from the L2 cache. Rows: {"context", "MB", "baseline", "flash", "chunks"}."""
+    from memory, not from the L2 cache. With PyTorch on the GPU, "torch": its scaled_dot_product_attention on a
+    contiguous cache (enable_gqa). Rows: {"context", "MB", "baseline", "flash", "chunks"[, "torch"]}."""
     from .kernels import attention as k_attention
     from .kernels import paged_attention as k_paged
 
@@ -161,7 +181,7 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[d
         positions = cuda.to_device(np.array([n - 1], np.int32))
         table = cuda.to_device(rng.permutation(pages).astype(np.int32))
         nbytes = 2 * n * Hkv * hd * 4
-        row = {"context": n, "MB": nbytes / 1e6, "chunks": k_paged.chunks_for(n, Hkv, page)[1]}
+        row = {"context": n, "MB": nbytes / 1e6, "chunks": k_paged.chunks_for(n, Hkv, hd)[1]}
         def baseline(c, n=n, positions=positions):
             return k_attention.attention(q, c[0][:n], c[1][:n], positions)
 
@@ -171,6 +191,13 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[d
         row["baseline"] = _gb_per_s(baseline, caches, nbytes, repeats)
         row["flash"] = _gb_per_s(flash, caches, nbytes, repeats)
         del caches
+        torch = torch_cuda()
+        if torch is not None:  # [1, heads, positions, hd], the first n positions
+            q_t = torch.from_numpy(q.copy_to_host()).cuda().transpose(0, 1)[None]
+            kv_t = [torch.from_numpy(kv[:, :n]).cuda().permute(0, 2, 1, 3)[:, None].contiguous() for _ in range(copies)]
+            sdpa = partial(torch.nn.functional.scaled_dot_product_attention, q_t, enable_gqa=True)
+            row["torch"] = _gb_per_s(lambda c, sdpa=sdpa: sdpa(c[0], c[1]), kv_t, nbytes, repeats)
+            del kv_t
         out.append(row)
     return out
 

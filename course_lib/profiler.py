@@ -8,6 +8,7 @@ Events around every launch cost time themselves, so the undisturbed rate is meas
 from __future__ import annotations
 
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -56,12 +57,16 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     """Run one decode step of `backend` with a CUDA event pair around every launch.
 
     As the step runs, a kernel's interval also holds any wait for the host's next launch. queued=True (GPU only)
-    first keeps the GPU busy with a `hold` kernel while the host queues the whole step (memory frees deferred),
-    so the kernels run back to back and each interval is the kernel's own time (the wall time is then that of
-    the hold and the step together, not meaningful)."""
+    keeps the GPU busy with a `hold` kernel while the host queues the whole step (memory frees deferred), so the
+    kernels run back to back and each interval is the kernel's own time; the wall time is then that of the hold
+    and the step together, not meaningful. The hold must outlast the queuing, which events slow down a lot: a
+    first profiled step (two steps in all) measures how long the host takes, and the hold lasts three times that.
+    A warning says when the kernels still waited on the host."""
     from .kernels import copy as k_copy
     from .kernels import cuda
 
+    if queued:
+        host_ms = profile_decode(backend, token).wall_ms
     rt = backend.rt
     rt.synchronize()
     launches, allocations = rt.launches, rt.allocations
@@ -70,7 +75,7 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     try:
         if queued:
             with cuda.defer_cleanup():
-                k_copy.hold[1, 1, rt.stream](200_000)
+                k_copy.hold[1, 1, rt.stream](int(3e3 * host_ms) + 10_000)
                 backend.decode(token)
         else:
             backend.decode(token)
@@ -79,7 +84,12 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
         kernels = rt.profile.timeline()
     finally:
         rt.profile = None
-    return StepProfile(kernels, wall_ms, rt.launches - launches, rt.allocations - allocations)
+    step = StepProfile(kernels, wall_ms, rt.launches - launches, rt.allocations - allocations)
+    waits = [s - e for (_, _, e), (_, s, _) in zip(kernels, kernels[1:], strict=False) if s - e > 0.02]
+    if queued and waits:  # back to back, kernels are ~2 us apart; a wait for the host is tens of us or more
+        warnings.warn(f"the hold ended before the step was queued: {len(waits)} waits for the host, "
+                      f"{sum(waits):.3f} ms", stacklevel=2)
+    return step
 
 
 def time_decode(backend, token: int, steps: int) -> float:

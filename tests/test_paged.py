@@ -4,7 +4,7 @@ Bookkeeping is pure host code. The kernels run in Numba's CUDA simulator when th
 outputs are filled with NaN (tables with a sentinel) first, so a forgotten write fails. The attention is checked
 against the float64 reference on the logical keys gathered through a shuffled page table; bf16 tables are compared
 with the bf16-rounded values the kernel reads. On a GPU, the `_real` tests also run the shapes of SmolLM2-135M and
-Llama-3.2-1B up to 4096 keys (skipped in the simulator).
+Llama-3.2-1B and Llama-3.1-8B up to 4096 keys (skipped in the simulator).
 """
 
 import numpy as np
@@ -12,7 +12,7 @@ import pytest
 from checks import U32, check, dev, randn
 
 from course_lib import reference as R
-from course_lib.config import LLAMA_32_1B, SMOLLM2_135M, ModelConfig
+from course_lib.config import LLAMA_31_8B, LLAMA_32_1B, SMOLLM2_135M, ModelConfig
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels import paged_attention as pa
 from course_lib.kv_cache import (
@@ -235,18 +235,23 @@ def run_flash(q, k, v, page_table, positions, page_size, max_len=None):
                               max_len=max_len, out=out).copy_to_host()
 
 
+def rescales(n, Hkv, hd):
+    """How many factors exp(m_old - m_new) can multiply a weight p: one per later step of its team in the chunk,
+    one per shuffle round merging the teams of a warp (at most 5), one for the warps, one for the chunks."""
+    return -(-pa.chunks_for(n, Hkv, hd)[0] // pa.tile_keys(hd)) + 7
+
+
 def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4):
     q, k, v, page_table, positions, k_log, v_log = paged_case(rng, T, H, Hkv, hd, n, dtype, page_size)
     got = run_flash(q, k, v, page_table, positions, page_size, max_len=n)
     want = R.attention(q.astype(np.float64), k_log.astype(np.float64), v_log.astype(np.float64), positions)
-    length, _ = pa.chunks_for(n, Hkv, page_size)
-    tiles = -(-length // pa.tile_keys(hd)) + 1  # rescales of a weight: later tiles of its chunk, the merge
+    tiles = rescales(n, Hkv, hd)
     check(got, want, flash_tolerance(q, k_log, v_log, positions, tiles), f"n={n} {dtype} T={T} H={H} Hkv={Hkv}")
 
 
 @pytest.mark.parametrize("H,Hkv,hd", [(2, 2, 16), (3, 1, 16)])  # GQA groups of 1 and 3
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])  # keys: one page, a page and a chunk boundary, several chunks
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 300])  # one page, page boundaries, several chunks and steps
 def test_flash_decode(rng, n, dtype, H, Hkv, hd):
     check_flash(rng, 1, H, Hkv, hd, n, dtype)
 
@@ -259,35 +264,35 @@ def test_flash_prefill(rng, n, H, Hkv, hd, dtype):
 
 
 @pytest.mark.parametrize("H,Hkv,hd,n,page_size", [
-    (4, 2, 40, 60, 16),  # head_dim above the simulator's block, tiles of 6 keys, pages of 16
-    (2, 1, 256, 20, 4),  # the largest head_dim: one key per tile in the simulator
-    (8, 1, 12, 37, 5),  # the largest group, odd sizes
+    (4, 2, 40, 60, 16),  # five 8-element groups per row: one lane per key, pages of 16
+    (2, 1, 256, 20, 4),  # the largest head_dim: a warp per key
+    (8, 1, 24, 37, 5),  # the largest group, odd sizes
 ])
 def test_flash_shapes(rng, H, Hkv, hd, n, page_size):
     check_flash(rng, 2, H, Hkv, hd, n, "f32", page_size)
 
 
 def test_flash_chunks():
-    """The chunk rule: multiples of the page size, at least MIN_CHUNK, at most chunk_target chunks, and a
-    function of n alone (no T)."""
+    """The chunk rule: whole steps of a block, at most chunk_target chunks, and a function of n alone (no T)."""
     for Hkv in (1, 3, 8):
-        for page_size in (1, 4, 16):
-            target = pa.chunk_target(Hkv, sms=132)
+        for hd in (8, 24, 64, 128):
+            target, unit = pa.chunk_target(Hkv, sms=132), pa.tile_keys(hd)
             for n in (1, 15, 16, 17, 100, 1000, 4096, 100_000):
-                length, count = pa.chunks_for(n, Hkv, page_size, sms=132)
-                assert length % page_size == 0 and length >= pa.MIN_CHUNK and count <= target
+                length, count = pa.chunks_for(n, Hkv, hd, sms=132)
+                assert length % unit == 0 and count <= target
                 assert (count - 1) * length < n <= count * length  # no empty chunk
-    assert pa.chunks_for(pa.MIN_CHUNK, 3, 16, sms=132)[1] == 1  # a short context: one chunk
-    assert pa.chunks_for(4096, 3, 16, sms=132)[1] * 3 >= 132  # a long one: at least a block per SM
+    assert pa.chunks_for(pa.tile_keys(64), 3, 64, sms=132)[1] == 1  # a short context: one chunk
+    assert pa.chunks_for(4096, 3, 64, sms=132)[1] * 3 >= 132  # a long one: at least a block per SM
 
 
 def test_flash_query_alone_equals_query_in_prefill(rng):
     """A query's output does not depend on the other queries of the pass (nor on max_len): bit for bit."""
     H, Hkv, hd, page_size = 3, 1, 16, 4
-    n = 3 * pa.MIN_CHUNK + 12
+    unit = pa.tile_keys(hd)
+    n = 3 * unit + 12
     q, k, v, page_table, positions, _, _ = paged_case(rng, 3, H, Hkv, hd, n, "f32", page_size)
-    positions = np.array([pa.MIN_CHUNK - 4, n - 2, n - 1], np.int32)  # one chunk (alone: no merge), then several
-    assert pa.chunks_for(pa.MIN_CHUNK - 3, Hkv, page_size)[1] == 1 < pa.chunks_for(n - 1, Hkv, page_size)[1]
+    positions = np.array([unit - 4, n - 2, n - 1], np.int32)  # one chunk (alone: no merge), then several
+    assert pa.chunks_for(unit - 3, Hkv, hd)[1] == 1 < pa.chunks_for(n - 1, Hkv, hd)[1]
     prefill = run_flash(q, k, v, page_table, positions, page_size, max_len=n)
     for t in range(3):
         alone = run_flash(q[t:t + 1], k, v, page_table, positions[t:t + 1], page_size, max_len=int(positions[t]) + 1)
@@ -321,8 +326,7 @@ def test_flash_through_the_cache(rng):
                                  cache.page_size, max_len=n, out=out).copy_to_host()
         k_all, v_all = np.concatenate(keys[seq]), np.concatenate(values[seq])
         want = R.attention(q.astype(np.float64), k_all.astype(np.float64), v_all.astype(np.float64), positions)
-        tiles = -(-pa.chunks_for(n, 1, 4)[0] // pa.tile_keys(hd)) + 1
-        check(got, want, flash_tolerance(q, k_all, v_all, positions, tiles), f"step {step} ({seq})")
+        check(got, want, flash_tolerance(q, k_all, v_all, positions, rescales(n, 1, hd)), f"step {step} ({seq})")
     assert cache.page_table("a", 6).tolist() == [0, 3, 4, 5, -1, -1]  # b took pages 1 and 2 in between
 
 
@@ -333,12 +337,16 @@ def test_flash_rejects_bad_shapes(rng):
         pa.flash_attention(q, k, k, pt, pos, 4, 1)  # 3 heads over 2 KV heads
     with pytest.raises(ValueError):
         pa.flash_attention(dev(randn(rng, 1, 2, 8)), k, k, pt, pos, 4, 9)  # max_len past the page table
+    k12 = dev(randn(rng, 8, 2, 12))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pa.flash_attention(dev(randn(rng, 1, 2, 12)), k12, k12, pt, pos, 4, 1)  # head_dim 12: no 16-byte groups
 
 
 # ---- real shapes (GPU only) ----
 
 real_shapes = pytest.mark.skipif(SIMULATOR, reason="real shapes need a GPU")
-REAL_MODELS = [pytest.param(SMOLLM2_135M, id="SmolLM2-135M"), pytest.param(LLAMA_32_1B, id="Llama-3.2-1B")]
+REAL_MODELS = [pytest.param(SMOLLM2_135M, id="SmolLM2-135M"), pytest.param(LLAMA_32_1B, id="Llama-3.2-1B"),
+               pytest.param(LLAMA_31_8B, id="Llama-3.1-8B")]
 
 
 @real_shapes

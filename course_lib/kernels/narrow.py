@@ -35,10 +35,9 @@ Kernels are built on first use by factories, one per (R, weight kind), and kept 
 import functools
 
 import numpy as np
-from numba import float32, int32, uint32
+from numba import float32, int32
 
 from course_lib.kernels import (
-    SIMULATOR,
     WEIGHT_READERS,
     bf16_weight,
     cuda,
@@ -51,7 +50,7 @@ from course_lib.kernels import (
 )
 from course_lib.kernels import matmul as mm
 from course_lib.kernels.elementwise import segment_sum
-from course_lib.kernels.vector import load16
+from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
 WARPS = sized(8, 2)  # warps per block (the simulator keeps full 32-lane warps, but fewer of them)
@@ -80,29 +79,6 @@ def split_k(K: int, N: int, cols_per_block: int, sms: int) -> int:
 
 
 # ---- device functions ----
-
-@cuda.jit(device=True)
-def bf16_high(w):
-    """The float32 value of the bf16 in the high half of w (the second of the two uint16)."""
-    return cuda.libdevice.int_as_float(w & uint32(0xFFFF0000))
-
-
-@cuda.jit(device=True)
-def bf16x8(words, i):
-    """The 8 float32 values of the bf16 elements 8 i .. 8 i + 7 of an array seen as uint32 `words`: one load."""
-    w0, w1, w2, w3 = load16(words, i)
-    return (bf16_weight(w0), bf16_high(w0), bf16_weight(w1), bf16_high(w1),  # bf16_weight: the low half
-            bf16_weight(w2), bf16_high(w2), bf16_weight(w3), bf16_high(w3))
-
-
-@cuda.jit(device=True)
-def f32x8(words, i):
-    """The float32 elements 8 i .. 8 i + 7 of an array seen as uint32 `words`: two loads."""
-    w0, w1, w2, w3 = load16(words, 2 * i)
-    w4, w5, w6, w7 = load16(words, 2 * i + 1)
-    f = cuda.libdevice.int_as_float
-    return f(w0), f(w1), f(w2), f(w3), f(w4), f(w5), f(w6), f(w7)
-
 
 @cuda.jit(device=True)
 def fma8(acc, r, x, w):
@@ -140,10 +116,18 @@ def store_row(sums, partial, s, r, col0):
 
 @cuda.jit(device=True)
 def sum_slices(partial, r, n):
-    """partial[0, r, n] + partial[1, r, n] + ..., in slice order."""
+    """partial[0, r, n] + partial[1, r, n] + ..., in slice order, the loads UNROLL at a time: they come from the
+    L2 cache, and one load waiting for the previous add would cost S L2 latencies in a row (~5 us for S = 33)."""
+    buf = cuda.local.array(UNROLL, dtype=float32)
+    S = partial.shape[0]
     v = float32(0)
-    for s in range(partial.shape[0]):
-        v += partial[s, r, n]
+    for s0 in range(0, S, UNROLL):
+        for u in range(UNROLL):
+            if s0 + u < S:
+                buf[u] = partial[s0 + u, r, n]
+        for u in range(UNROLL):
+            if s0 + u < S:
+                v += buf[u]
     return v
 
 
@@ -356,16 +340,6 @@ def done_counters(groups: int):
 def no_bias():
     """A float32 device array of length 0: the split-K kernel's "no bias"."""
     return cuda.to_device(np.zeros(0, np.float32))
-
-
-def aligned16(arr) -> bool:
-    """arr is C-contiguous and starts on a 16-byte boundary (always true of the simulator's arrays)."""
-    return arr.is_c_contiguous() and (SIMULATOR or arr.device_ctypes_pointer.value % 16 == 0)
-
-
-def words(arr):
-    """The flat uint32 view of a C-contiguous device array whose size in bytes is a multiple of 4."""
-    return arr.view(np.uint32).reshape(arr.size * arr.dtype.itemsize // 4)
 
 
 def weight_kind(w, vector: bool) -> str:

@@ -9,9 +9,26 @@ the memory system needs four times fewer instructions to stream the same weights
 dimensions (indexed as flat). The address must be 16-byte aligned: the array starts on a 16-byte boundary (device
 allocations start on 256) and i counts 16-byte steps. Read-only: nobody may write `words` while the kernel runs.
 In the simulator it is four plain reads of a flat array.
+
+`bf16x8(words, i)` and `f32x8(words, i)`: the 8 elements 8 i .. 8 i + 7 of a bf16 (uint16) or float32 array seen
+as uint32 words, widened to float32: one 16-byte load for bf16, two for float32.
 """
 
-from course_lib.kernels import SIMULATOR
+import numpy as np
+from numba import uint32
+
+from course_lib.kernels import SIMULATOR, bf16_weight, cuda
+
+
+def aligned16(arr) -> bool:
+    """arr is C-contiguous and starts on a 16-byte boundary (always true of the simulator's arrays)."""
+    return arr.is_c_contiguous() and (SIMULATOR or arr.device_ctypes_pointer.value % 16 == 0)
+
+
+def words(arr):
+    """The flat uint32 view of a C-contiguous device array whose size in bytes is a multiple of 4."""
+    return arr.view(np.uint32).reshape(arr.size * arr.dtype.itemsize // 4)
+
 
 if SIMULATOR:
     def load16(words, i):
@@ -40,3 +57,26 @@ else:
             return context.make_tuple(builder, result, [builder.extract_value(words4, j) for j in range(4)])
 
         return result(words, i), codegen
+
+
+@cuda.jit(device=True)
+def bf16_high(w):
+    """The float32 value of the bf16 in the high half of w (the second of the two uint16)."""
+    return cuda.libdevice.int_as_float(w & uint32(0xFFFF0000))
+
+
+@cuda.jit(device=True)
+def bf16x8(words, i):
+    """The 8 float32 values of the bf16 elements 8 i .. 8 i + 7 of an array seen as uint32 `words`: one load."""
+    w0, w1, w2, w3 = load16(words, i)
+    return (bf16_weight(w0), bf16_high(w0), bf16_weight(w1), bf16_high(w1),  # bf16_weight: the low half
+            bf16_weight(w2), bf16_high(w2), bf16_weight(w3), bf16_high(w3))
+
+
+@cuda.jit(device=True)
+def f32x8(words, i):
+    """The float32 elements 8 i .. 8 i + 7 of an array seen as uint32 `words`: two loads."""
+    w0, w1, w2, w3 = load16(words, 2 * i)
+    w4, w5, w6, w7 = load16(words, 2 * i + 1)
+    f = cuda.libdevice.int_as_float
+    return f(w0), f(w1), f(w2), f(w3), f(w4), f(w5), f(w6), f(w7)
