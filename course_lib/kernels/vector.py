@@ -14,6 +14,8 @@ In the simulator it is four plain reads of a flat array.
 as uint32 words, widened to float32: one 16-byte load for bf16, two for float32.
 """
 
+import weakref
+
 import numpy as np
 from numba import uint32
 
@@ -25,9 +27,19 @@ def aligned16(arr) -> bool:
     return arr.is_c_contiguous() and (SIMULATOR or arr.device_ctypes_pointer.value % 16 == 0)
 
 
+_WORDS = {}  # id(array) -> (weak reference to the array, its words view), dropped when the array dies
+
+
 def words(arr):
-    """The flat uint32 view of a C-contiguous device array whose size in bytes is a multiple of 4."""
-    return arr.view(np.uint32).reshape(arr.size * arr.dtype.itemsize // 4)
+    """The flat uint32 view of a C-contiguous device array whose size in bytes is a multiple of 4. Made once per
+    array and kept while the array lives: a Numba device-array view costs tens of microseconds of Python, and the
+    weights and KV tables are viewed at every launch."""
+    key = id(arr)
+    entry = _WORDS.get(key)
+    if entry is None or entry[0]() is not arr:
+        view = arr.view(np.uint32).reshape(arr.size * arr.dtype.itemsize // 4)
+        entry = _WORDS[key] = (weakref.ref(arr, lambda _: _WORDS.pop(key, None)), view)
+    return entry[1]
 
 
 if SIMULATOR:
