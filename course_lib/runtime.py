@@ -84,9 +84,11 @@ class Runtime:
     """Allocations and launches of one backend, counted; fast launches on a GPU unless fast=False.
 
     With reuse=True, device arrays are recycled from one pass to the next, as PyTorch's caching allocator does:
-    the i-th `empty` (or `to_device`) of a pass gets the array the i-th call of an earlier pass got, when shape and
-    dtype match. A decode step then allocates nothing once the first step has run. Call `begin_pass` at the start
-    of every pass; arrays from a pass are valid until the next pass."""
+    the i-th `empty` (or `to_device`) of a pass gets the array the i-th call of the previous pass got, when shape
+    and dtype match; otherwise a new array replaces it. A decode step then allocates nothing once the first step
+    has run, and the pool holds one array per call of a pass: passes of changing shapes (prompts of growing
+    length) replace arrays rather than pile them up. Call `begin_pass` at the start of every pass; arrays from a
+    pass are valid until the next pass."""
 
     def __init__(self, fast: bool = True, reuse: bool = False):
         self.fast = fast and not SIMULATOR
@@ -94,7 +96,7 @@ class Runtime:
         self.stream = cuda.default_stream()
         self._core_stream = None
         self._fast_kernels = {}
-        self._pool = {}  # (call index in the pass, shape, dtype) -> device array, when reuse is on
+        self._pool = {}  # call index in the pass -> device array, when reuse is on
         self._calls = 0
         self.launches = 0
         self.allocations = 0
@@ -109,12 +111,13 @@ class Runtime:
         if not self.reuse:
             self.allocations += 1
             return cuda.device_array(shape, dtype=dtype)
-        key = (self._calls, tuple(np.atleast_1d(shape)), np.dtype(dtype).str)
+        call, shape = self._calls, tuple(int(n) for n in np.atleast_1d(shape))
         self._calls += 1
-        if key not in self._pool:
+        arr = self._pool.get(call)
+        if arr is None or arr.shape != shape or arr.dtype != np.dtype(dtype):
             self.allocations += 1
-            self._pool[key] = cuda.device_array(shape, dtype=dtype)
-        return self._pool[key]
+            arr = self._pool[call] = cuda.device_array(shape, dtype=dtype)
+        return arr
 
     def to_device(self, array, persistent: bool = False):
         """A device copy of a host array (one transfer), in a fresh or (reuse) recycled device array; persistent

@@ -154,3 +154,18 @@ def test_cache_equals_no_cache(request, temperature):
         ids.append(token)
         if len(ids) < capacity:
             logits = cached.decode(token)
+
+
+def test_recycled_arrays_do_not_pile_up():
+    """Runtime(reuse=True) keeps one array per call of a pass: the same one while the shape holds, a replacement
+    when it changes (a prompt of another length), never both."""
+    from course_lib.runtime import Runtime
+
+    rt = Runtime(reuse=True)
+    first = []
+    for length in (3, 3, 5, 5, 4):
+        rt.begin_pass()
+        first.append(rt.empty((length, 8)))
+        rt.empty(16, np.int32)
+    assert first[0] is first[1] and first[2] is first[3] and first[1] is not first[2] and first[4].shape == (4, 8)
+    assert rt.allocations == 4 and len(rt._pool) == 2  # (3, 8), (5, 8), (4, 8) and the int32 array once
