@@ -61,7 +61,9 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     kernels run back to back and each interval is the kernel's own time; the wall time is then that of the hold
     and the step together, not meaningful. The hold must outlast the queuing, which events slow down a lot: a
     first profiled step (two steps in all) measures how long the host takes, and the hold lasts three times that.
-    A warning says when the kernels still waited on the host."""
+    A warning says when the kernels still waited on the host: then each interval also holds the host's
+    preparation of that launch. Seen on the H200 for whole decode steps, whose first operation, an upload from
+    pageable host memory, waits for the hold to finish before the host goes on."""
     from .kernels import copy as k_copy
     from .kernels import cuda
 

@@ -32,8 +32,8 @@ _WORDS = {}  # id(array) -> (weak reference to the array, its words view), dropp
 
 def words(arr):
     """The flat uint32 view of a C-contiguous device array whose size in bytes is a multiple of 4. Made once per
-    array and kept while the array lives: a Numba device-array view costs tens of microseconds of Python, and the
-    weights and KV tables are viewed at every launch."""
+    array and kept while the array lives: the weights and KV tables are viewed at every launch, about a thousand
+    Numba device-array views per decode step of SmolLM2 (caching them: 41.8 -> 38.2 ms per step on the H200)."""
     key = id(arr)
     entry = _WORDS.get(key)
     if entry is None or entry[0]() is not arr:
