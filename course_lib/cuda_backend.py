@@ -186,9 +186,11 @@ class CudaBackend:
     def _linear(self, x, weight, bias=None):
         """x [T, K] @ weight + bias, with the chosen matmul; the bias in its own kernel unless fused. With the paged
         cache, the narrow matmul takes the rows 16 at a time even in a long prefill (not the tiled kernel): a
-        token's result is then the same bits whether it comes alone or inside a prompt (see notebook 03)."""
+        token's result is then the same bits whether it comes alone or inside a prompt (see notebook 03). Up to 16
+        rows, one narrow matmul on the whole of x, as `linear` does (no row slices: a view per launch costs host
+        time in every decode step)."""
         rt, fused = self.rt, self.ops["bias"] == "fused"
-        if self.ops["matmul"] == "narrow" and self.paged:
+        if self.ops["matmul"] == "narrow" and self.paged and x.shape[0] > k_narrow.MAX_ROWS:
             step = k_narrow.MAX_ROWS
             y = rt.empty((x.shape[0], weight.shape[1]))
             for r in range(0, x.shape[0], step):
