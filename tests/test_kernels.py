@@ -507,10 +507,10 @@ F4, U1 = "float32[:, :, :, ::1]", "uint32[::1]"
 for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-decoding for a few (group, head_dim)
     dt = np.dtype(dtype)
     jobs.append((f"write_rows_flat[{dt}]", paged_attention._WRITE_ROWS[dt], f"void({F3}, {dt.name}[:, :, ::1], {I1})"))
-    for group, hd in ((3, 64), (4, 128), (8, 256), (1, 40)):
-        jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}]",
-                     paged_attention._chunks_kernel(dt, group, hd),
-                     f"void({F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, int64, float32, {F3}, {F4}, {F3}, {F3})"))
+    for group, hd, page in ((3, 64, 16), (4, 128, 16), (8, 256, 16), (1, 40, 5)):
+        jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]",
+                     paged_attention._chunks_kernel(dt, group, hd, page),
+                     f"void({F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3})"))
 jobs.append(("merge_chunks", paged_attention.merge_chunks, f"void({F4}, {F3}, {F3}, {I1}, int64, int64, {F3})"))
 ptxas = shutil.which("ptxas")
 verbose = os.environ.get("PTXAS_VERBOSE") == "1"  # registers and spills of each kernel, printed
@@ -668,11 +668,25 @@ def test_split_k_grid_near_target():
     for N in (70, 576, 2048, 8192, 49152):
         for cols in (32, 64):
             groups, target = -(-N // cols), nw.BLOCKS_PER_SM * 132
-            S = nw.split_k(1 << 20, N, cols, 132)
+            S = nw.split_k((1 << 20) + 1, N, cols, 132)  # not whole steps: any S
             assert abs(groups * S - target) <= groups / 2 or (S == 1 and groups > target), (N, cols, S)
     assert nw.split_k(8192, 2048, 32, 132) == 4  # 64 groups x 4 = 256 blocks for 264 wanted
     assert nw.split_k(576, 576, 32, 132) == 9  # capped: 9 slices of 64
     assert nw.split_k(200, 70, 32, SIM_SMS) == 3  # the simulator tests' shape
+
+
+def test_split_k_whole_steps():
+    """When K is a multiple of a block's step (WARPS x UNROLL rows), every slice is whole steps, and S is the
+    divisor of K / step nearest the slice count it would have had."""
+    step = nw.WARPS * nw.UNROLL
+    for K in (step, 9 * step, 24 * step, 128 * step, 224 * step):
+        for N in (70, 576, 2048, 8192, 49152):
+            S = nw.split_k(K, N, 256, 132)
+            free = nw.split_k(K + 1, N, 256, 132)  # K + 1 rows: not whole steps
+            divisors = [d for d in range(1, K // step + 1) if (K // step) % d == 0 and K // d >= nw.MIN_SLICE]
+            assert K % S == 0 and (K // S) % step == 0, (K, N, S)
+            assert abs(S - free) == min(abs(d - free) for d in divisors or [1]), (K, N, S, free)
+    assert nw.split_k(128 * step, 2048, 256, 132) == 32  # 8 groups: 33 wanted, 32 divides 128
 
 
 @real_shapes
