@@ -9,7 +9,7 @@ Llama-3.2-1B and Llama-3.1-8B up to 4096 keys (skipped in the simulator).
 
 import numpy as np
 import pytest
-from checks import U32, check, dev, randn
+from checks import U32, check, dev, poisoned, randn
 
 from course_lib import reference as R
 from course_lib.config import LLAMA_31_8B, LLAMA_32_1B, SMOLLM2_135M, ModelConfig
@@ -237,8 +237,11 @@ def run_flash(q, k, v, page_table, positions, page_size, max_len=None):
 
 def rescales(n, Hkv, hd):
     """How many factors exp(m_old - m_new) can multiply a weight p: one per later step of its team in the chunk,
-    one per shuffle round merging the teams of a warp (at most 5), one for the warps, one for the chunks."""
-    return -(-pa.chunks_for(n, Hkv, hd)[0] // pa.tile_keys(hd)) + 7
+    one per shuffle round merging the teams of a warp (at most 5), one for the warps, then in merge_chunks one per
+    later round of a thread (MERGE_UNROLL chunks each) and one for the threads' groups."""
+    length, chunks = pa.chunks_for(n, Hkv, hd)
+    groups = pa.MERGE_THREADS // min(hd, pa.MERGE_THREADS)
+    return -(-length // pa.tile_keys(hd)) + 5 + 1 + -(-chunks // (groups * pa.MERGE_UNROLL)) + 1
 
 
 def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4):
@@ -283,6 +286,28 @@ def test_flash_chunks():
                 assert (count - 1) * length < n <= count * length  # no empty chunk
     assert pa.chunks_for(pa.tile_keys(64), 3, 64, sms=132)[1] == 1  # a short context: one chunk
     assert pa.chunks_for(4096, 3, 64, sms=132)[1] * 3 >= 132  # a long one: at least a block per SM
+
+
+@pytest.mark.parametrize("hd", [16, 40])
+def test_merge_many_chunks(rng, hd):
+    """merge_chunks alone, on more chunks than its threads take in one round (so several rounds per thread, then
+    the groups): against the float64 merge. Each weighted term carries at most 2 + rounds + 1 rounding factors
+    from exp and the rescales, and each sum at most C additions: |error| <= (C + 8) U32 (sum |w o| / sum w l +
+    |out|)."""
+    T, H, C = 2, 3, 2 * pa.MERGE_UNROLL * (pa.MERGE_THREADS // min(hd, pa.MERGE_THREADS)) + 5
+    o, m = randn(rng, T, H, C, hd), randn(rng, T, H, C, scale=4.0)
+    l = rng.uniform(0.5, 2.0, (T, H, C)).astype(np.float32)  # noqa: E741
+    positions = np.array([C - 1, C // 2], np.int32)  # target C, unit 1: chunks of one key, C and C // 2 + 1 of them
+    out = poisoned((T, H, hd))
+    pa.merge_chunks[(H, T), pa.MERGE_THREADS](dev(o), dev(m), dev(l), dev(positions), C, 1, out)
+    got = out.copy_to_host()
+    assert C > pa.MERGE_UNROLL * (pa.MERGE_THREADS // min(hd, pa.MERGE_THREADS))  # several rounds
+    for t, n in enumerate(positions + 1):
+        w = np.exp(m[t, :, :n].astype(np.float64) - m[t, :, :n].max(axis=1, keepdims=True))
+        num, den = (w[..., None] * o[t, :, :n]).sum(axis=1), (w * l[t, :, :n]).sum(axis=1)[:, None]
+        want = num / den
+        tol = (C + 8) * U32 * ((w[..., None] * np.abs(o[t, :, :n])).sum(axis=1) / den + np.abs(want))
+        check(got[t], want, tol, f"query {t}, {n} chunks")
 
 
 def test_flash_query_alone_equals_query_in_prefill(rng):

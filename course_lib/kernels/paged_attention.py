@@ -39,10 +39,10 @@ block of each query instead of a second kernel (much slower: one block then read
 import math
 
 import numpy as np
-from numba import float32, uint16, uint32
+from numba import float32, int32, uint16, uint32
 
 from course_lib.kernels import SIMULATOR, cuda, empty, f32_weight, launch, pick, sized, sm_count
-from course_lib.kernels.elementwise import FULL_MASK, segment_max, segment_sum
+from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_HEAD_DIM = 256
@@ -54,8 +54,8 @@ BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (2, 3 and 4
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
 MAX_CHUNKS = 1024  # chunks per query at most
-MERGE_THREADS = sized(256, 32)
-MERGE_UNROLL = 8  # partial outputs each merge thread loads at once
+MERGE_THREADS = sized(1024, 32)  # (hd 64: 16 threads per component, 8 chunks each in one round)
+MERGE_UNROLL = 8  # chunks each merge thread loads at once
 WRITE_THREADS = sized(256, 64)
 
 
@@ -142,10 +142,11 @@ def tile_keys(head_dim: int) -> int:
     return WARPS * (32 // team_size(head_dim)) * UNROLL
 
 
-def _make_chunks(load8, group, head_dim):
-    """flash_decode_chunks for G = group query heads per KV head and head_dim (a multiple of 8; compile-time
-    constants, so a lane's scores and accumulators stay in registers); load8(words, i) reads the 8 elements of
-    group i of a table seen as uint32 words (16-byte loads)."""
+def _make_chunks(load8, group, head_dim, page_size):
+    """flash_decode_chunks for G = group query heads per KV head, head_dim (a multiple of 8) and page_size,
+    compile-time constants: a lane's scores and accumulators stay in registers, and the page arithmetic is shifts
+    for a power of two; load8(words, i) reads the 8 elements of group i of a table seen as uint32 words (16-byte
+    loads)."""
     team = team_size(head_dim)
     per_lane = head_dim // (8 * team)  # 8-element groups of a row per lane
     E = 8 * per_lane  # elements of a row per lane
@@ -153,21 +154,27 @@ def _make_chunks(load8, group, head_dim):
     step = teams * UNROLL
 
     @cuda.jit(device=True)
-    def load_keys(k_words, v_words, page_table, page_size, n_kv, kvh, first, hi, k_r, v_r):
-        """k_r[u], v_r[u] = this lane's E elements of key first + u teams (the lane's team's keys), for u < UNROLL,
-        of the keys < hi (past hi the registers keep their values): all the loads issued, none waited for."""
+    def find_rows(page_table, first, hi, rows):
+        """rows[u] = the table row of key min(first + u teams, hi - 1) (the lane's team's keys of a step; a key
+        past the chunk reads the chunk's last key again, which `attend` ignores), for u < UNROLL: the UNROLL
+        page-table loads issued one after another, none waited for."""
+        for u in range(UNROLL):
+            j = min(first + u * teams, hi - 1)
+            rows[u] = page_table[j // page_size] * page_size + j % page_size
+
+    @cuda.jit(device=True)
+    def load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r):
+        """k_r[u], v_r[u] = this lane's E elements of the key and value at table row rows[u], for u < UNROLL:
+        all the loads issued, none waited for."""
         member = cuda.threadIdx.x % team
         for u in range(UNROLL):
-            j = first + u * teams
-            if j < hi:
-                row = page_table[j // page_size] * page_size + j % page_size
-                base = (row * n_kv + kvh) * (head_dim // 8) + member
-                for i in range(per_lane):
-                    kw = load8(k_words, base + team * i)
-                    vw = load8(v_words, base + team * i)
-                    for e in range(8):
-                        k_r[u, 8 * i + e] = kw[e]
-                        v_r[u, 8 * i + e] = vw[e]
+            base = (rows[u] * n_kv + kvh) * (head_dim // 8) + member
+            for i in range(per_lane):
+                kw = load8(k_words, base + team * i)
+                vw = load8(v_words, base + team * i)
+                for e in range(8):
+                    k_r[u, 8 * i + e] = kw[e]
+                    v_r[u, 8 * i + e] = vw[e]
 
     @cuda.jit(device=True)
     def attend(q_s, first, hi, scale, k_r, v_r, s, m, l, acc):  # noqa: E741 (the l of the online softmax)
@@ -205,8 +212,8 @@ def _make_chunks(load8, group, head_dim):
                 m[g] = m_new
 
     @cuda.jit(**_CHUNK_BOUNDS)
-    def flash_decode_chunks(q, k_words, v_words, page_table, positions, page_size, target, unit, scale,
-                            out, o_part, m_part, l_part):
+    def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
+                            l_part):
         """Chunk c of the keys 0..positions[t] of query t, KV head kvh, for its G query heads h0 .. h0 + G - 1.
 
         q [T, H, hd] float32; k_words, v_words: the tables [rows, Hkv, hd] seen as flat uint32 words; page_table
@@ -225,6 +232,7 @@ def _make_chunks(load8, group, head_dim):
         s = cuda.local.array((UNROLL, group), dtype=float32)
         k_r = cuda.local.array((UNROLL, E), dtype=float32)  # this lane's part of UNROLL keys and values
         v_r = cuda.local.array((UNROLL, E), dtype=float32)
+        rows = cuda.local.array(UNROLL, dtype=int32)  # their rows in the tables
         c, kvh, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, cuda.threadIdx.x
         n = positions[t] + 1
         length = _chunk_len(n, target, unit)
@@ -237,6 +245,7 @@ def _make_chunks(load8, group, head_dim):
         member = lane % team  # this lane reads the 8-element groups member, member + team, ... of a row
         me = warp * (32 // team) + lane // team  # this lane's team in the block
         h0 = kvh * group
+        find_rows(page_table, lo + me, hi, rows)  # the first step's rows, while the queries are staged
         for x in range(tid, group * head_dim, THREADS):
             q_s[x // head_dim, x % head_dim] = q[t, h0 + x // head_dim, x % head_dim]
         for g in range(group):
@@ -244,14 +253,11 @@ def _make_chunks(load8, group, head_dim):
                 acc[g, e] = float32(0)
             m[g] = float32(-math.inf)
             l[g] = float32(0)
-        for u in range(UNROLL):  # (a key past the chunk's end leaves its registers as they are: finite)
-            for e in range(E):
-                k_r[u, e] = float32(0)
-                v_r[u, e] = float32(0)
         cuda.syncthreads()
 
         for k0 in range(lo, hi, step):  # the same steps for every lane (the shuffles need the whole warp)
-            load_keys(k_words, v_words, page_table, page_size, n_kv, kvh, k0 + me, hi, k_r, v_r)
+            load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
+            find_rows(page_table, k0 + step + me, hi, rows)  # the next step's rows arrive while this one computes
             attend(q_s, k0 + me, hi, scale, k_r, v_r, s, m, l, acc)
 
         width = team  # the teams of a warp merge by shuffles, then the warps in shared memory: a fixed order
@@ -307,70 +313,76 @@ def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
     chunk is left alone: flash_decode_chunks wrote it).
 
     o_part [T, H, C, hd], m_part, l_part [T, H, C], out [T, H, hd], float32. Grid (H, T), block MERGE_THREADS.
-    Every warp computes M and the denominator itself (lanes over chunks, then shuffles: no barrier); thread
-    (cg, dl) sums w_c o_c[d0 + dl] over the chunks c = cg, cg + groups, ... (MERGE_UNROLL loads at a time), and
-    the groups' sums meet in shared memory, added in group order. A fixed order throughout.
+    Thread (cg, dl) merges component d = d0 + dl of the chunks cg, cg + groups, ...: MERGE_UNROLL chunks per
+    round, their o, m and l loaded at once (one memory latency for all, none waiting on another), into a running
+    max m and the sums of exp(m_c - m) o_c and exp(m_c - m) l_c (rescaled by exp(m_old - m_new) when a round
+    raises m). The groups then meet in shared memory and are added in group order: a fixed order throughout.
     """
-    sums = cuda.shared.array(MERGE_THREADS, dtype=float32)
+    m_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
+    o_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
+    l_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
     o_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     m_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
+    l_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     h, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    lane = tid % 32
     n = positions[t] + 1
     length = _chunk_len(n, target, unit)
     n_chunks = (n + length - 1) // length
     if n_chunks == 1:  # flash_decode_chunks normalized it
         return
     hd = out.shape[2]
-
-    m_max = float32(-math.inf)
-    for c in range(lane, n_chunks, 32):
-        m_max = max(m_max, m_part[t, h, c])
-    m_max = segment_max(m_max, 32)
-    den = float32(0)
-    for c in range(lane, n_chunks, 32):
-        den += float32(math.exp(m_part[t, h, c] - m_max)) * l_part[t, h, c]
-    den = segment_sum(den, 32)
-
     span = min(hd, MERGE_THREADS)
     groups = MERGE_THREADS // span
     cg = tid // span
     dl = tid - cg * span
     for d0 in range(0, hd, span):
-        d = d0 + dl
-        part = float32(0)
-        if cg < groups and d < hd:
+        d = min(d0 + dl, hd - 1)  # (a thread past hd merges component hd - 1 again and writes nothing)
+        m, o, l = float32(-math.inf), float32(0), float32(0)  # noqa: E741
+        if cg < groups:
             for c0 in range(cg, n_chunks, groups * MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):  # past the last chunk: the last chunk again, with m = -inf (weight 0)
+                    c = min(c0 + u * groups, n_chunks - 1)
+                    o_vals[u] = o_part[t, h, c, d]
+                    l_vals[u] = l_part[t, h, c]
+                    m_vals[u] = m_part[t, h, c] if c0 + u * groups < n_chunks else float32(-math.inf)
+                m_new = m
                 for u in range(MERGE_UNROLL):
-                    c = c0 + u * groups
-                    if c < n_chunks:
-                        o_vals[u] = o_part[t, h, c, d]
-                        m_vals[u] = m_part[t, h, c]
+                    m_new = max(m_new, m_vals[u])
+                a = float32(math.exp(m - m_new))  # m_new is finite: chunk c0 is real
+                o *= a
+                l *= a  # noqa: E741
                 for u in range(MERGE_UNROLL):
-                    c = c0 + u * groups
-                    if c < n_chunks:
-                        part += float32(math.exp(m_vals[u] - m_max)) * o_vals[u]
-        sums[tid] = part
+                    w = float32(math.exp(m_vals[u] - m_new))
+                    o += w * o_vals[u]
+                    l += w * l_vals[u]  # noqa: E741
+                m = m_new
+        m_s[tid], o_s[tid], l_s[tid] = m, o, l
         cuda.syncthreads()
         if tid < span and d0 + tid < hd:
-            total = float32(0)
+            m_all = m_s[tid]
+            for g in range(1, groups):
+                m_all = max(m_all, m_s[g * span + tid])
+            num, den = float32(0), float32(0)
             for g in range(groups):
-                total += sums[g * span + tid]
-            out[t, h, d0 + tid] = total / den
+                if m_s[g * span + tid] > float32(-math.inf):  # a group with chunks
+                    f = float32(math.exp(m_s[g * span + tid] - m_all))
+                    num += f * o_s[g * span + tid]
+                    den += f * l_s[g * span + tid]
+            out[t, h, d0 + tid] = num / den
         cuda.syncthreads()
 
 
-_CHUNKS = {}  # (dtype, group, head_dim) -> kernel, built on first use
+_CHUNKS = {}  # (dtype, group, head_dim, page_size) -> kernel, built on first use
 
 
-def _chunks_kernel(dtype, group, head_dim):
+def _chunks_kernel(dtype, group, head_dim, page_size):
     """flash_decode_chunks for tables of `dtype` (float32, or uint16 holding bf16), built on first use."""
-    key = (np.dtype(dtype), group, head_dim)
+    key = (np.dtype(dtype), group, head_dim, page_size)
     if key not in _CHUNKS:
         loads = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}
         if key[0] not in loads:
             raise TypeError(f"KV tables must be float32 or bf16 stored as uint16, got {dtype}")
-        _CHUNKS[key] = _make_chunks(loads[key[0]], group, head_dim)
+        _CHUNKS[key] = _make_chunks(loads[key[0]], group, head_dim, page_size)
     return _CHUNKS[key]
 
 
@@ -394,7 +406,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
                          f"hd a multiple of 8, <= {MAX_HEAD_DIM})")
     if not (aligned16(k_table) and aligned16(v_table)):
         raise ValueError("flash_attention: the key and value tables must be C-contiguous and 16-byte aligned")
-    kernel = _chunks_kernel(k_table.dtype, H // Hkv, hd)
+    kernel = _chunks_kernel(k_table.dtype, H // Hkv, hd, page_size)
     out = empty((T, H, hd), np.float32, stream, rt) if out is None else out
     if T == 0:
         return out
@@ -404,8 +416,8 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
         raise ValueError(f"flash_attention: max_len {max_len} > {page_table.shape[0]} pages x {page_size}")
     target, unit = chunk_target(Hkv), tile_keys(hd)
     n_chunks = max(1, min(target, -(-max_len // unit)))  # at least the chunks of any query of the pass
-    common = (q, words(k_table), words(v_table), page_table, positions, page_size, target, unit,
-              np.float32(1.0 / np.sqrt(hd)), out)
+    common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
+              out)
     if n_chunks == 1:  # every query normalizes its one chunk: no partial results (out stands in), no merge
         launch(kernel, (1, Hkv, T), THREADS, stream, rt, *common, out.reshape(T, H, 1, hd), out, out)
         return out
