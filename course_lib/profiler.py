@@ -25,6 +25,7 @@ class StepProfile:
     wall_ms: float
     launches: int
     allocations: int
+    transfers: int  # host-to-device copies
 
     @property
     def gpu_ms(self) -> float:
@@ -57,27 +58,31 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     """Run one decode step of `backend` with a CUDA event pair around every launch.
 
     As the step runs, a kernel's interval also holds any wait for the host's next launch. queued=True (GPU only)
-    keeps the GPU busy with a `hold` kernel while the host queues the whole step (memory frees deferred), so the
-    kernels run back to back and each interval is the kernel's own time; the wall time is then that of the hold
-    and the step together, not meaningful. The hold must outlast the queuing, which events slow down a lot: a
-    first profiled step (two steps in all) measures how long the host takes, and the hold lasts three times that.
+    keeps the GPU busy with `hold` kernels while the host queues the step (memory frees deferred), so the kernels
+    run back to back and each interval is the kernel's own time; the wall time is then that of the holds and the
+    step together, not meaningful. The GPU accepts only so many queued commands (three per profiled launch), so
+    a hold goes before every Profile.hold_every launches, and lasts three times as long as the host takes to
+    queue them: a first profiled step (two steps in all; the counts are those of the second) measures that.
+    Nothing in the step may wait for the GPU (uploads are asynchronous, from pinned memory: Runtime.to_device).
     A warning says when the kernels still waited on the host: then each interval also holds the host's
-    preparation of that launch. Seen on the H200 for whole decode steps, whose first operation, an upload from
-    pageable host memory, waits for the hold to finish before the host goes on."""
+    preparation of that launch."""
     from .kernels import copy as k_copy
     from .kernels import cuda
 
-    if queued:
-        host_ms = profile_decode(backend, token).wall_ms
     rt = backend.rt
+    profile = Profile()
+    if queued:
+        first = profile_decode(backend, token)
+        per_launch_us = 1e3 * first.wall_ms / max(1, first.launches)
+        hold_us = int(3 * per_launch_us * profile.hold_every) + 1_000
+        profile.hold = lambda stream: k_copy.hold[1, 1, stream](hold_us)
     rt.synchronize()
-    launches, allocations = rt.launches, rt.allocations
-    rt.profile = Profile()
+    launches, allocations, transfers = rt.launches, rt.allocations, rt.transfers
+    rt.profile = profile
     t0 = time.perf_counter()
     try:
         if queued:
             with cuda.defer_cleanup():
-                k_copy.hold[1, 1, rt.stream](int(3e3 * host_ms) + 10_000)
                 backend.decode(token)
         else:
             backend.decode(token)
@@ -86,12 +91,26 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
         kernels = rt.profile.timeline()
     finally:
         rt.profile = None
-    step = StepProfile(kernels, wall_ms, rt.launches - launches, rt.allocations - allocations)
+    if queued:
+        kernels = _without_holds(kernels, profile.hold_every)
+    step = StepProfile(kernels, wall_ms, rt.launches - launches, rt.allocations - allocations,
+                       rt.transfers - transfers)
     waits = [s - e for (_, _, e), (_, s, _) in zip(kernels, kernels[1:], strict=False) if s - e > 0.02]
     if queued and waits:  # back to back, kernels are ~2 us apart; a wait for the host is tens of us or more
         warnings.warn(f"the hold ended before the step was queued: {len(waits)} waits for the host, "
                       f"{sum(waits):.3f} ms", stacklevel=2)
     return step
+
+
+def _without_holds(kernels, every: int):
+    """The timeline of a queued profile with the holds taken out: kernel i, a multiple of `every` (a hold went
+    before it), starts where kernel i - 1 ended, and the kernels after it move with it."""
+    out, shift = [], 0.0
+    for i, (name, s, e) in enumerate(kernels):
+        if i and i % every == 0:
+            shift += s - kernels[i - 1][2]
+        out.append((name, s - shift, e - shift))
+    return out
 
 
 def time_decode(backend, token: int, steps: int) -> float:

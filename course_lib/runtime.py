@@ -67,6 +67,8 @@ class Profile:
 
     events: list = field(default_factory=list)  # (name, start_event, end_event) on the GPU
     host: list = field(default_factory=list)  # (name, start_ms, end_ms) in the simulator
+    hold: object = None  # hold(stream): queue a kernel that keeps the GPU busy, before every hold_every launches
+    hold_every: int = 128
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """[(kernel name, start ms, end ms)], times relative to the first launch; synchronizes the GPU."""
@@ -97,6 +99,7 @@ class Runtime:
         self._core_stream = None
         self._fast_kernels = {}
         self._pool = {}  # call index in the pass -> device array, when reuse is on
+        self._staging = {}  # call index -> (pinned host buffer, event of its last copy), for to_device
         self._calls = 0
         self.launches = 0
         self.allocations = 0
@@ -121,14 +124,29 @@ class Runtime:
 
     def to_device(self, array, persistent: bool = False):
         """A device copy of a host array (one transfer), in a fresh or (reuse) recycled device array; persistent
-        arrays (weights, tables) are always fresh and never recycled."""
+        arrays (weights, tables) are always fresh and never recycled.
+
+        A recycled array is filled through a pinned (page-locked) host buffer of its own, by an asynchronous copy
+        queued on the stream like a kernel: a copy from ordinary (pageable) memory would make the host wait until
+        the GPU has finished all the work queued before it. The buffer is reused once its last copy is done."""
         array = np.ascontiguousarray(array)
         self.transfers += 1
         if persistent or not self.reuse:
             self.allocations += 1
             return cuda.to_device(array)
+        call = self._calls
         out = self.empty(array.shape, array.dtype)
-        out.copy_to_device(array)
+        if SIMULATOR:
+            out.copy_to_device(array)
+            return out
+        staging = self._staging.get(call)
+        if staging is None or staging[0].shape != array.shape or staging[0].dtype != array.dtype:
+            staging = self._staging[call] = (cuda.pinned_array(array.shape, array.dtype), cuda.event())
+        host, copied = staging
+        copied.synchronize()  # its previous copy has left the buffer (at once if never recorded)
+        host[...] = array
+        out.copy_to_device(host, stream=self.stream)
+        copied.record(self.stream)
         return out
 
     def launch(self, name: str, kernel, grid, block, *args):
@@ -136,6 +154,8 @@ class Runtime:
         self.launches += 1
         prof = self.profile
         if prof is not None:
+            if prof.hold is not None and len(prof.events) % prof.hold_every == 0:
+                prof.hold(self.stream)
             if SIMULATOR:
                 t = time.perf_counter()
             else:
