@@ -11,8 +11,9 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    KV head kvh and ALL the G = H / Hkv query heads that share it, so each key and value is read once for the
    group. A key row (hd elements) is read by a team of `team_size(hd)` lanes, each taking 8 adjacent elements
    per 16-byte load (bf16; two loads for float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every
-   lane looks up the rows of UNROLL keys of its team in the page table and issues all their key and value loads,
-   then computes its part of the G dot products (the queries are in shared memory), which the team adds by
+   lane issues all the key and value loads of UNROLL keys of its team, then the page-table loads of the next
+   step's rows (they arrive while this step computes: a lookup never delays a step's loads), then computes its
+   part of the G dot products (the queries are in shared memory), which the team adds by
    shuffles; each team keeps its own online softmax (running max m, sum l = sum exp(score - m), and the lane's
    components of acc = sum p v) in registers. No barrier in the loop over keys. At the end the teams of a warp
    merge by shuffles and the warps through shared memory (m = max, l and acc rescaled by exp(m_part - m), in a
@@ -28,12 +29,16 @@ chunks from positions[t]: a query gives the same bits alone (decode) and inside 
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
 
 Measured on the H200 (decode, T = 1, float32 cache, GPU time per call, KV bytes read / time; notebook 04): at
-4096 keys 0.37-0.40 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, ~16 us), 0.8 TB/s on
-Llama-3.2-1B shapes (32, 8, 64), 1.1 TB/s on Llama-3.1-8B shapes (32, 8, 128); at 16384 keys 1.0, 1.6 and
-1.8-1.9 TB/s (the copy bandwidth is ~3.8-4.0 TB/s). Small layers are bound by fixed costs (two launches, a
-page-table lookup then the loads, the merges), not by bandwidth. Variants measured and left: 2 keys per step
-with the next step's loads in flight (double buffering), 3 or 4 blocks per SM, and a merge done by the last
-block of each query instead of a second kernel (much slower: one block then reads every chunk's results).
+4096 keys 0.41 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, 15 us), 0.9 TB/s on
+Llama-3.2-1B shapes (32, 8, 64), 1.35 TB/s on Llama-3.1-8B shapes (32, 8, 128); at 16384 keys 1.1, 1.9 and
+2.4 TB/s (the copy bandwidth is ~3.9-4.0 TB/s). Small layers are bound by fixed costs, not by bandwidth: timed
+apart at SmolLM2's 4k, flash_decode_chunks takes 8.1 us and merge_chunks 6.4 us (an empty kernel: 1.3 us), each a
+chain of memory latencies; on the 8B shapes the loop over keys streams at ~3.2 TB/s (the chunk kernel's time from 4k
+to 16k). Looking the page table up a step ahead (instead of before each key's loads) gave 1.14 -> 1.35 TB/s at 4k
+and 1.9 -> 2.4 at 16k on the 8B shapes. Variants measured and left: 2 keys per step with the next step's loads in
+flight (double buffering), 3 or 4 blocks per SM, a merge done by the last block of each query instead of a second
+kernel (much slower: one block then reads every chunk's results), and a merge loading all chunks at once with 1024
+threads (8 us: slower).
 """
 
 import math
