@@ -114,8 +114,9 @@ class CudaBackend:
             self.k_cache = [None] * self.config.n_layers  # [S, d_kv] per layer, grown by concatenation
             self.v_cache = [None] * self.config.n_layers
 
-    def prefill(self, ids) -> np.ndarray:
-        return self.forward(np.asarray(ids, np.int32))
+    def prefill(self, ids, all_logits: bool = False) -> np.ndarray:
+        """Logits [V] of the last token of ids, or [T, V] of every token with all_logits."""
+        return self.forward(np.asarray(ids, np.int32), all_logits)
 
     def decode(self, token: int) -> np.ndarray:
         return self.forward(np.asarray([token], np.int32))
@@ -143,8 +144,9 @@ class CudaBackend:
         packed = rt.to_device(np.concatenate([ids, positions, slots, table]).astype(np.int32))
         return packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[3 * T:]
 
-    def forward(self, ids: np.ndarray) -> np.ndarray:
-        """ids [T] int32 after the cached positions -> logits [V] of the last token (copied to the host)."""
+    def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """ids [T] int32 after the cached positions -> logits [V] of the last token, or [T, V] of every token with
+        all_logits (copied to the host)."""
         c, rt, w = self.config, self.rt, self.w
         T, start = len(ids), self.length
         if start + T > self.capacity:
@@ -174,14 +176,27 @@ class CudaBackend:
             gate, up = self._linear(h, lw["w_gate"]), self._linear(h, lw["w_up"])
             x = k_elt.add(x, self._linear(k_elt.silu_mul(gate, up, rt=rt), lw["w_down"]), rt=rt)
         self.length = start + T
-        h = k_elt.rms_norm(x[T - 1:], w["final_norm"], c.rms_eps, rt=rt)
+        h = k_elt.rms_norm(x if all_logits else x[T - 1:], w["final_norm"], c.rms_eps, rt=rt)
         if w["lm_head"] is not None:
             logits = self._linear(h, w["lm_head"])
         elif self.ops["logits"] == "transposed":
-            logits = k_narrow.matmul_transposed(h, w["embed"], rt=rt)
+            logits = self._by_rows(lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt), h,
+                                   c.vocab_size)
         else:
             logits = k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
-        return logits.copy_to_host()[0]
+        logits = logits.copy_to_host()
+        return logits if all_logits else logits[0]
+
+    def _by_rows(self, f, x, n_out):
+        """f(x, out) for a kernel of at most MAX_ROWS rows: called once when x has that many rows or fewer, else on
+        slices of MAX_ROWS rows of x and of an output [rows, n_out] (a row gets the same bits either way)."""
+        step = k_narrow.MAX_ROWS
+        if x.shape[0] <= step:
+            return f(x, None)
+        y = self.rt.empty((x.shape[0], n_out))
+        for r in range(0, x.shape[0], step):
+            f(x[r:r + step], y[r:r + step])
+        return y
 
     def _linear(self, x, weight, bias=None):
         """x [T, K] @ weight + bias, with the chosen matmul; the bias in its own kernel unless fused. With the paged
@@ -190,11 +205,9 @@ class CudaBackend:
         rows, one narrow matmul on the whole of x, as `linear` does (no row slices: a view per launch costs host
         time in every decode step)."""
         rt, fused = self.rt, self.ops["bias"] == "fused"
-        if self.ops["matmul"] == "narrow" and self.paged and x.shape[0] > k_narrow.MAX_ROWS:
-            step = k_narrow.MAX_ROWS
-            y = rt.empty((x.shape[0], weight.shape[1]))
-            for r in range(0, x.shape[0], step):
-                k_narrow.matmul_narrow(x[r:r + step], weight, bias if fused else None, out=y[r:r + step], rt=rt)
+        if self.ops["matmul"] == "narrow" and self.paged:
+            y = self._by_rows(lambda rows, out: k_narrow.matmul_narrow(rows, weight, bias if fused else None, out,
+                                                                       rt=rt), x, weight.shape[1])
         elif self.ops["matmul"] == "narrow":
             y = k_narrow.linear(x, weight, bias if fused else None, rt=rt)
         else:

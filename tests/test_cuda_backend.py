@@ -155,6 +155,31 @@ def test_cache_equals_no_cache(request, temperature):
             logits = cached.decode(token)
 
 
+N_FULL_PREFILL = 32 if SIMULATOR else 400  # tokens checked against one prefill of the whole sequence
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_cache_equals_one_full_prefill(request, temperature):
+    """The same check over more tokens, affordable in the simulator: the logits of every cached step equal, bit for
+    bit, the row of that position in ONE prefill of the whole final sequence without a cache (all_logits). A row of
+    the paged forward pass does not depend on the other rows of its pass (see test_cache_equals_no_cache, which
+    recomputes every prefix), so that row is what recomputing the prefix alone gives; then, step by step, the
+    uncached generation would have chosen the same tokens."""
+    model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
+    prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
+    capacity = len(prompt) + N_FULL_PREFILL
+    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=PAGED) for _ in range(2))
+    rng = np.random.default_rng(11)
+    ids, steps = list(prompt), [cached.prefill(prompt)]
+    while len(ids) < capacity:
+        ids.append(sample(steps[-1], temperature, None, 0.95 if temperature else None, rng))
+        if len(ids) < capacity:
+            steps.append(cached.decode(ids[-1]))
+    rows = fresh.prefill(ids[:-1], all_logits=True)[len(prompt) - 1:]
+    assert len(steps) == N_FULL_PREFILL == rows.shape[0]
+    np.testing.assert_array_equal(np.array(steps).view(np.uint32), rows.view(np.uint32))
+
+
 def test_recycled_arrays_do_not_pile_up():
     """Runtime(reuse=True) keeps one array per call of a pass: the same one while the shape holds, a replacement
     when it changes (a prompt of another length), never both."""
