@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,7 +68,7 @@ class Profile:
 
     events: list = field(default_factory=list)  # (name, start_event, end_event) on the GPU
     host: list = field(default_factory=list)  # (name, start_ms, end_ms) in the simulator
-    hold: object = None  # hold(stream): queue a kernel that keeps the GPU busy, before every hold_every launches
+    hold: Callable | None = None  # hold(stream): queue a kernel that keeps the GPU busy, every hold_every launches
     hold_every: int = 128
 
     def timeline(self) -> list[tuple[str, float, float]]:
