@@ -223,3 +223,14 @@ def test_queued_profile_never_waits_for_the_host(tiny):
         step = profile_decode(backend, 5, queued=True)
     gaps = [s - e for (_, _, e), (_, s, _) in zip(step.kernels, step.kernels[1:], strict=False)]
     assert step.transfers == 1 and max(gaps) < 0.02, max(gaps)
+
+
+def test_holds_taken_out_of_a_queued_timeline():
+    """A queued profile's timeline without its holds: the kernel after each hold (every `every` launches) starts
+    where the previous one ended, and everything after it moves by the same amount; durations are unchanged."""
+    from course_lib.profiler import _without_holds
+
+    kernels = [("a", 0.0, 1.0), ("b", 1.5, 2.0), ("c", 50.0, 51.0), ("d", 51.5, 52.0), ("e", 90.0, 90.5)]
+    got = _without_holds(kernels, every=2)
+    assert got == [("a", 0.0, 1.0), ("b", 1.5, 2.0), ("c", 2.0, 3.0), ("d", 3.5, 4.0), ("e", 4.0, 4.5)]
+    assert _without_holds(kernels, every=len(kernels)) == kernels  # no hold inside the step
