@@ -13,7 +13,7 @@ from course_lib import generate, reference
 from course_lib.cuda_backend import NARROW, PAGED, CudaBackend
 from course_lib.generate import BACKENDS, sample
 from course_lib.kernels import SIMULATOR
-from course_lib.profiler import profile_decode
+from course_lib.profiler import _without_holds, profile_decode
 from course_lib.weights import round_to_bf16
 
 # Tokens per generation: the simulator costs ~6 s per token of the tiny model (32 tokens in all here).
@@ -228,8 +228,6 @@ def test_queued_profile_never_waits_for_the_host(tiny):
 def test_holds_taken_out_of_a_queued_timeline():
     """A queued profile's timeline without its holds: the kernel after each hold (every `every` launches) starts
     where the previous one ended, and everything after it moves by the same amount; durations are unchanged."""
-    from course_lib.profiler import _without_holds
-
     kernels = [("a", 0.0, 1.0), ("b", 1.5, 2.0), ("c", 50.0, 51.0), ("d", 51.5, 52.0), ("e", 90.0, 90.5)]
     got = _without_holds(kernels, every=2)
     assert got == [("a", 0.0, 1.0), ("b", 1.5, 2.0), ("c", 2.0, 3.0), ("d", 3.5, 4.0), ("e", 4.0, 4.5)]
