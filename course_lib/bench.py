@@ -113,6 +113,17 @@ def _gb_per_s(run, buffers: list, nbytes: int, repeats: int) -> float:
     return nbytes * repeats / (cuda.event_elapsed_time(start, end) / 1e3) / 1e9
 
 
+def read_bandwidth(nbytes: int, repeats: int = 30) -> float:
+    """GB/s of one plain read of `nbytes` (copy.read, GPU time, see _gb_per_s), rotating over >= 256 MB of arrays
+    so that they come from memory: the most one kernel that reads nbytes once reaches on this GPU, its fixed costs
+    (launch, ramp-up, tail) included. Small reads fall far below the copy bandwidth; matmuls and attention are
+    compared with this at their own sizes."""
+    host = np.random.default_rng(0).standard_normal(max(8, nbytes // 32 * 8), dtype=np.float32)
+    arrays = [cuda.to_device(host) for _ in range(by_mode(max(2, -(-(256 << 20) // host.nbytes)), 2))]
+    out = k_copy.read(arrays[0])
+    return _gb_per_s(partial(k_copy.read, out=out), arrays, host.nbytes, repeats)
+
+
 def torch_cuda():
     """PyTorch, when it is installed and sees a GPU (the peers of the kernels), else None."""
     try:
@@ -127,7 +138,8 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
     baseline, the narrow split-K kernel on b [K, N], and the transposed kernel on the same
     weights stored as [N, K]. The runs rotate over enough copies of the weights (>= 256 MB) that they come from
     memory, not from the 50 MB L2 cache. With PyTorch on the GPU, "torch": torch.nn.functional.linear on the
-    [N, K] weights (cuBLAS), activations in the weights' dtype, timed the same way (both use the default stream)."""
+    [N, K] weights (cuBLAS), activations in the weights' dtype, timed the same way (both use the default stream).
+    "read": a plain read of the same bytes (read_bandwidth), the ceiling at this size."""
     from .kernels import matmul as k_matmul
     from .kernels import narrow as k_narrow
     from .safetensors_io import f32_to_bf16
@@ -139,7 +151,7 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
         host = f32_to_bf16(host) if weights == "bf16" else host
         copies = by_mode(max(2, -(-(256 << 20) // host.nbytes)), 2)
         a = cuda.to_device(rng.standard_normal((rows, K), dtype=np.float32))
-        row = {"K": K, "N": N, "MB": host.nbytes / 1e6}
+        row = {"K": K, "N": N, "MB": host.nbytes / 1e6, "read": read_bandwidth(host.nbytes, repeats)}
         kn = [cuda.to_device(host) for _ in range(copies)]
         row["tiled"] = _gb_per_s(partial(k_matmul.matmul, a), kn, host.nbytes, repeats)
         row["narrow"] = _gb_per_s(partial(k_narrow.matmul_narrow, a), kn, host.nbytes, repeats)
@@ -165,7 +177,8 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[d
     _gb_per_s), at each context length: the baseline kernel over a contiguous cache, and flash-decoding over a
     paged cache (pages of 16 in shuffled order). The runs rotate over enough caches (>= 256 MB) that they come
     from memory, not from the L2 cache. With PyTorch on the GPU, "torch": its scaled_dot_product_attention on a
-    contiguous cache (enable_gqa). Rows: {"context", "MB", "baseline", "flash", "chunks"[, "torch"]}."""
+    contiguous cache (enable_gqa). "read": a plain read of the same bytes (read_bandwidth), the ceiling at this
+    size. Rows: {"context", "MB", "read", "baseline", "flash", "chunks"[, "torch"]}."""
     from .kernels import attention as k_attention
     from .kernels import paged_attention as k_paged
 
@@ -181,7 +194,8 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[d
         positions = cuda.to_device(np.array([n - 1], np.int32))
         table = cuda.to_device(rng.permutation(pages).astype(np.int32))
         nbytes = 2 * n * Hkv * hd * 4
-        row = {"context": n, "MB": nbytes / 1e6, "chunks": k_paged.chunks_for(n, Hkv, hd)[1]}
+        row = {"context": n, "MB": nbytes / 1e6, "read": read_bandwidth(nbytes, repeats),
+               "chunks": k_paged.chunks_for(n, Hkv, hd)[1]}
         def baseline(c, n=n, positions=positions):
             return k_attention.attention(q, c[0][:n], c[1][:n], positions)
 

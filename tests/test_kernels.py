@@ -273,6 +273,18 @@ def test_copy(rng, blocks):
     np.testing.assert_array_equal(got, src)
 
 
+def test_read(rng):
+    """Thread g sums the 8-element groups g, g + S, ... (S threads): small integers make every sum exact, so the
+    per-thread sums must equal NumPy's, whatever the order; 5 or 6 groups per thread take both loops."""
+    S = copy_k.THREADS
+    src = rng.integers(-8, 9, 8 * (5 * S + 37)).astype(np.float32)
+    got = copy_k.read(dev(src), blocks=1, out=poisoned(S)).copy_to_host()
+    groups = src.reshape(-1, 8).sum(axis=1)
+    np.testing.assert_array_equal(got, [groups[g::S].sum() for g in range(S)])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        copy_k.read(dev(src[:-3]))
+
+
 class _CountingRuntime:
     """The part of course_lib.runtime.Runtime the wrappers use: empty() and launch(name, kernel, grid, block)."""
 

@@ -237,8 +237,11 @@ def run_flash(q, k, v, page_table, positions, page_size, max_len=None):
 
 def rescales(n, Hkv, hd):
     """How many factors exp(m_old - m_new) can multiply a weight p: one per later step of its team in the chunk,
-    one per shuffle round merging the teams of a warp (at most 5), one for the warps, one for the chunks."""
-    return -(-pa.chunks_for(n, Hkv, hd)[0] // pa.tile_keys(hd)) + 7
+    one per shuffle round merging the teams of a warp (at most 5), one for the warps, then in merge_chunks one per
+    later round of a thread (MERGE_UNROLL chunks each) and one for the threads' groups."""
+    length, chunks = pa.chunks_for(n, Hkv, hd)
+    groups = pa.MERGE_THREADS // min(hd, pa.MERGE_THREADS)
+    return -(-length // pa.tile_keys(hd)) + 5 + 1 + -(-chunks // (groups * pa.MERGE_UNROLL)) + 1
 
 
 def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4):

@@ -1,8 +1,10 @@
-"""A plain copy, to measure the memory bandwidth the other kernels should be compared with."""
+"""A plain copy and a plain read, to measure the memory bandwidth the other kernels should be compared with."""
 
 import numpy as np
+from numba import float32
 
-from course_lib.kernels import cuda, empty, launch
+from course_lib.kernels import cuda, empty, launch, sm_count
+from course_lib.kernels.vector import aligned16, f32x8, words
 
 THREADS = 256  # threads per block
 MAX_BLOCKS = 132 * 8  # grid cap: 8 blocks per SM of an H200; the grid-stride loop covers the rest
@@ -32,6 +34,43 @@ def copy(src, dst=None, blocks=None, stream=0, rt=None):
         blocks = max(1, min(MAX_BLOCKS, -(-src.size // THREADS)))
     launch(copy_grid_stride, blocks, THREADS, stream, rt, src, dst)
     return dst
+
+
+READ_BLOCKS_PER_SM = 4  # the best grid of `read` on the H200 from 1 MB to 1 GB (1 to 32 blocks per SM measured)
+
+
+@cuda.jit
+def read_grid_stride(w, out):
+    """out[g] = the sum of the 8-element float32 groups g, g + s, g + 2s, ... of an array seen as uint32 words w, s
+    the grid size (16-byte loads, four groups in flight before the adds): every byte is read once and each thread
+    writes one float, so the time is the reading."""
+    g, s, n = cuda.grid(1), cuda.gridsize(1), w.size // 8
+    acc, i = float32(0), g
+    while i + 3 * s < n:
+        a, b, c, d = f32x8(w, i), f32x8(w, i + s), f32x8(w, i + 2 * s), f32x8(w, i + 3 * s)
+        for e in range(8):
+            acc += (a[e] + b[e]) + (c[e] + d[e])
+        i += 4 * s
+    while i < n:
+        a = f32x8(w, i)
+        for e in range(8):
+            acc += a[e]
+        i += s
+    out[g] = acc
+
+
+def read(src, blocks=None, out=None, stream=0, rt=None):
+    """Reads src [n] float32 (n a multiple of 8, 16-byte aligned) once -> out [blocks * THREADS] float32, each
+    thread's sum of its groups (their total is src.sum()). blocks: grid size (default READ_BLOCKS_PER_SM per SM).
+    The time of this kernel is the shortest in which one kernel can read n bytes: the ceiling of the others."""
+    if src.ndim != 1 or src.size % 8 or not aligned16(src):
+        raise ValueError(f"read: src must be 1-D, 16-byte aligned, a multiple of 8 elements; got {src.shape}")
+    blocks = READ_BLOCKS_PER_SM * sm_count() if blocks is None else blocks
+    out = empty((blocks * THREADS,), np.float32, stream, rt) if out is None else out
+    if out.shape != (blocks * THREADS,):
+        raise ValueError(f"read: out {out.shape}, expected {(blocks * THREADS,)}")
+    launch(read_grid_stride, blocks, THREADS, stream, rt, words(src), out)
+    return out
 
 
 @cuda.jit

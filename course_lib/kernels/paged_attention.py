@@ -20,7 +20,9 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    fixed order). A query with a single chunk is normalized and written to out; otherwise the block writes its
    o [hd], m and l per head to scratch [T, H, chunks, hd] and [T, H, chunks].
 2. `merge_chunks`, grid (H, T): out[t, h] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c, in a
-   fixed order (no atomics: the same bits from run to run). Skipped (not launched) when no query has two chunks.
+   fixed order (no atomics: the same bits from run to run). A thread loads o, m and l of MERGE_UNROLL chunks at
+   once and merges them online (one memory latency per round, not one per quantity). Skipped (not launched) when
+   no query has two chunks.
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
 (`tile_keys`), so that the chunks of the longest queries times Hkv give about BLOCKS_PER_SM blocks per SM. The
@@ -47,7 +49,7 @@ import numpy as np
 from numba import float32, int32, uint16, uint32
 
 from course_lib.kernels import SIMULATOR, cuda, empty, f32_weight, launch, pick, sized, sm_count
-from course_lib.kernels.elementwise import FULL_MASK, segment_max, segment_sum
+from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_HEAD_DIM = 256
@@ -60,7 +62,7 @@ _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
 MAX_CHUNKS = 1024  # chunks per query at most
 MERGE_THREADS = sized(256, 32)
-MERGE_UNROLL = 8  # partial outputs each merge thread loads at once
+MERGE_UNROLL = 8  # chunks each merge thread loads at once (their o, m and l)
 WRITE_THREADS = sized(256, 64)
 
 
@@ -318,56 +320,62 @@ def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
     chunk is left alone: flash_decode_chunks wrote it).
 
     o_part [T, H, C, hd], m_part, l_part [T, H, C], out [T, H, hd], float32. Grid (H, T), block MERGE_THREADS.
-    Every warp computes M and the denominator itself (lanes over chunks, then shuffles: no barrier); thread
-    (cg, dl) sums w_c o_c[d0 + dl] over the chunks c = cg, cg + groups, ... (MERGE_UNROLL loads at a time), and
-    the groups' sums meet in shared memory, added in group order. A fixed order throughout.
+    Thread (cg, dl) merges component d = d0 + dl of the chunks cg, cg + groups, ...: MERGE_UNROLL chunks per
+    round, their o, m and l loaded at once (one memory latency for all, none waiting on another), into a running
+    max m and the sums of exp(m_c - m) o_c and exp(m_c - m) l_c (rescaled by exp(m_old - m_new) when a round
+    raises m). The groups then meet in shared memory and are added in group order: a fixed order throughout.
     """
-    sums = cuda.shared.array(MERGE_THREADS, dtype=float32)
+    m_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
+    o_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
+    l_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
     o_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     m_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
+    l_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     h, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    lane = tid % 32
     n = positions[t] + 1
     length = _chunk_len(n, target, unit)
     n_chunks = (n + length - 1) // length
     if n_chunks == 1:  # flash_decode_chunks normalized it
         return
     hd = out.shape[2]
-
-    m_max = float32(-math.inf)
-    for c in range(lane, n_chunks, 32):
-        m_max = max(m_max, m_part[t, h, c])
-    m_max = segment_max(m_max, 32)
-    den = float32(0)
-    for c in range(lane, n_chunks, 32):
-        den += float32(math.exp(m_part[t, h, c] - m_max)) * l_part[t, h, c]
-    den = segment_sum(den, 32)
-
     span = min(hd, MERGE_THREADS)
     groups = MERGE_THREADS // span
     cg = tid // span
     dl = tid - cg * span
     for d0 in range(0, hd, span):
-        d = d0 + dl
-        part = float32(0)
-        if cg < groups and d < hd:
+        d = min(d0 + dl, hd - 1)  # (a thread past hd merges component hd - 1 again and writes nothing)
+        m, o, l = float32(-math.inf), float32(0), float32(0)  # noqa: E741
+        if cg < groups:
             for c0 in range(cg, n_chunks, groups * MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):  # past the last chunk: the last chunk again, with m = -inf (weight 0)
+                    c = min(c0 + u * groups, n_chunks - 1)
+                    o_vals[u] = o_part[t, h, c, d]
+                    l_vals[u] = l_part[t, h, c]
+                    m_vals[u] = m_part[t, h, c] if c0 + u * groups < n_chunks else float32(-math.inf)
+                m_new = m
                 for u in range(MERGE_UNROLL):
-                    c = c0 + u * groups
-                    if c < n_chunks:
-                        o_vals[u] = o_part[t, h, c, d]
-                        m_vals[u] = m_part[t, h, c]
+                    m_new = max(m_new, m_vals[u])
+                a = float32(math.exp(m - m_new))  # m_new is finite: chunk c0 is real
+                o *= a
+                l *= a  # noqa: E741
                 for u in range(MERGE_UNROLL):
-                    c = c0 + u * groups
-                    if c < n_chunks:
-                        part += float32(math.exp(m_vals[u] - m_max)) * o_vals[u]
-        sums[tid] = part
+                    w = float32(math.exp(m_vals[u] - m_new))
+                    o += w * o_vals[u]
+                    l += w * l_vals[u]  # noqa: E741
+                m = m_new
+        m_s[tid], o_s[tid], l_s[tid] = m, o, l
         cuda.syncthreads()
         if tid < span and d0 + tid < hd:
-            total = float32(0)
+            m_all = m_s[tid]
+            for g in range(1, groups):
+                m_all = max(m_all, m_s[g * span + tid])
+            num, den = float32(0), float32(0)
             for g in range(groups):
-                total += sums[g * span + tid]
-            out[t, h, d0 + tid] = total / den
+                if m_s[g * span + tid] > float32(-math.inf):  # a group with chunks
+                    f = float32(math.exp(m_s[g * span + tid] - m_all))
+                    num += f * o_s[g * span + tid]
+                    den += f * l_s[g * span + tid]
+            out[t, h, d0 + tid] = num / den
         cuda.syncthreads()
 
 
