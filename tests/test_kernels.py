@@ -519,7 +519,7 @@ F4, U1 = "float32[:, :, :, ::1]", "uint32[::1]"
 for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-decoding for a few (group, head_dim)
     dt = np.dtype(dtype)
     jobs.append((f"write_rows_flat[{dt}]", paged_attention._WRITE_ROWS[dt], f"void({F3}, {dt.name}[:, :, ::1], {I1})"))
-    for group, hd, page in ((3, 64, 16), (4, 128, 16), (8, 256, 16), (1, 40, 5)):
+    for group, hd, page in ((3, 64, 16), (4, 128, 16), (8, 128, 16), (4, 256, 16), (1, 40, 5)):
         jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]",
                      paged_attention._chunks_kernel(dt, group, hd, page),
                      f"void({F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3})"))
@@ -651,7 +651,8 @@ def tied_weights(embed):
     return R.Weights(embed=embed, layers=[], final_norm=np.ones(embed.shape[1], np.float32), lm_head=None)
 
 
-@pytest.mark.parametrize("dtype,K", [("f32", 200), ("bf16", 200), ("bf16", 131)])  # K % 8 != 0: one per load
+@pytest.mark.parametrize("dtype,K", [("f32", 200), ("bf16", 200), ("bf16", 131),  # K % 8 != 0: one per load
+                                     ("bf16", 576), ("f32", 2056)])  # rounds of 8 groups per lane, then 1 left
 @pytest.mark.parametrize("M,N", [(1, 37), (3, 37), (16, 9)])  # small N at M = 16: simulated shuffles are slow
 def test_matmul_transposed(rng, M, N, dtype, K):
     """a @ b.T with b [N, K] read in place: the tied-embedding logits (reference.logits with embed = b)."""
@@ -672,19 +673,19 @@ def test_split_k_slices_at_least_min():
                 bounds = [s * K // S for s in range(S + 1)]
                 assert S >= 1 and bounds[-1] == K
                 assert S == 1 or min(np.diff(bounds)) >= nw.MIN_SLICE, (K, N, cols, sms, S)
-    assert [nw.split_k(K, 70, 32, 132) for K in (127, 128, 191, 192)] == [1, 2, 2, 3]
+    assert [nw.split_k(K, 70, 32, 132, warps=8, per_sm=2) for K in (127, 128, 191, 192)] == [1, 2, 2, 3]
 
 
 def test_split_k_grid_near_target():
-    """With K long enough, groups x S is the multiple of the group count nearest BLOCKS_PER_SM x SMs."""
+    """With K long enough, groups x S is the multiple of the group count nearest per_sm x SMs (2 here)."""
     for N in (70, 576, 2048, 8192, 49152):
         for cols in (32, 64):
-            groups, target = -(-N // cols), nw.BLOCKS_PER_SM * 132
-            S = nw.split_k((1 << 20) + 1, N, cols, 132)  # not whole steps: any S
+            groups, target = -(-N // cols), 2 * 132
+            S = nw.split_k((1 << 20) + 1, N, cols, 132, per_sm=2)  # not whole steps: any S
             assert abs(groups * S - target) <= groups / 2 or (S == 1 and groups > target), (N, cols, S)
-    assert nw.split_k(8192, 2048, 32, 132) == 4  # 64 groups x 4 = 256 blocks for 264 wanted
-    assert nw.split_k(576, 576, 32, 132) == 9  # capped: 9 slices of 64
-    assert nw.split_k(200, 70, 32, SIM_SMS) == 3  # the simulator tests' shape
+    assert nw.split_k(8192, 2048, 32, 132, per_sm=2) == 4  # 64 groups x 4 = 256 blocks for 264 wanted
+    assert nw.split_k(576, 576, 32, 132, per_sm=2) == 9  # capped: 9 slices of 64
+    assert nw.split_k(200, 70, 32, SIM_SMS, warps=2, per_sm=2) == 3  # the simulator tests' shape
 
 
 def test_split_k_whole_steps():
@@ -698,7 +699,7 @@ def test_split_k_whole_steps():
             divisors = [d for d in range(1, K // step + 1) if (K // step) % d == 0 and K // d >= nw.MIN_SLICE]
             assert K % S == 0 and (K // S) % step == 0, (K, N, S)
             assert abs(S - free) == min(abs(d - free) for d in divisors or [1]), (K, N, S, free)
-    assert nw.split_k(128 * step, 2048, 256, 132) == 32  # 8 groups: 33 wanted, 32 divides 128
+    assert nw.split_k(128 * step, 2048, 256, 132, per_sm=2) == 32  # 8 groups: 33 wanted, 32 divides 128
 
 
 @real_shapes

@@ -4,13 +4,14 @@ The tiled matmul (matmul.py) spends 64-row tiles on one row and launches only N 
 is read once, by reads the memory system likes, and the grid is sized to fill the GPU.
 
 Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel:
-- `matmul_split_k_vec`: a block of WARPS warps (8; 2 in the simulator) owns a group of 256 adjacent columns and
-  one slice of K (grid: column groups x S slices, S from `split_k`). Lane l owns 8 adjacent columns, read with
-  16-byte loads (`vector.load16`: one load for 8 bf16 weights, two for 8 float32), so a warp reads 512
-  contiguous bytes of a bf16 weight row per instruction. Warp w takes the rows k0 + w, k0 + w + WARPS, ... of the
-  slice, UNROLL (8) rows at a time: eight loads in flight, then the FMAs into 8 R running sums (R is a
-  compile-time constant: one kernel per R, the sums stay in registers). The warps' sums meet in shared memory,
-  one row r at a time, and are added in warp order into a scratch partial[s, r, col].
+- `matmul_split_k_vec`: a block of W warps (`geometry`: 16 up to FEW_ROWS rows, one block per SM; 8 beyond, two
+  per SM) owns a group of 256 adjacent columns and one slice of K (grid: column groups x S slices, S from
+  `split_k`). Lane l owns 8 adjacent columns, read with 16-byte loads (`vector.load16`: one load for 8 bf16
+  weights, two for 8 float32), so a warp reads 512 contiguous bytes of a bf16 weight row per instruction. Warp w
+  takes the rows k0 + w, k0 + w + W, ... of the slice, UNROLL (8) rows at a time: eight loads in flight, then the
+  FMAs into 8 R running sums (R is a compile-time constant: one kernel per R, the sums stay in registers). The
+  warps' sums meet in shared memory, one row r at a time, and are added in warp order into a scratch
+  partial[s, r, col].
   It needs N % 8 == 0 and 16-byte aligned weights; otherwise `matmul_split_k` does the same with one column per
   lane and one 4-byte (f32) or 2-byte (bf16) load per weight, 32 columns per group.
 - The slices meet without a second kernel: each block, once its partial sums are written, counts itself in
@@ -53,32 +54,43 @@ from course_lib.kernels.elementwise import segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
-WARPS = sized(8, 2)  # warps per block (the simulator keeps full 32-lane warps, but fewer of them)
-THREADS = 32 * WARPS
+WARPS = sized(16, 2)  # split-K warps per block up to FEW_ROWS rows (the simulator keeps full warps, fewer of them)
+FEW_ROWS = 4  # beyond, split-K blocks take 8 warps (16 would need more than an SM's 65,536 registers)
+T_WARPS = sized(8, 2)  # warps per block of the transposed kernels
+T_THREADS = 32 * T_WARPS
 UNROLL = 8  # loads in flight per thread
 VEC = 8  # elements per lane and 16-byte load group
 TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
-BLOCKS_PER_SM = 2  # split_k's target: this many blocks per SM (2 measured faster than 4 or 8 on the H200)
+BLOCKS_PER_SM = sized(1, 2)  # split_k's target per SM up to FEW_ROWS rows (the simulator's 2 SMs need 2 to split
+# the tests' small K)
 MAX_GRID = sized(1 << 20, 2)  # grid cap of the grid-stride kernels (never reached on a GPU)
 
 
 # ---- how K is split ----
 
-def split_k(K: int, N: int, cols_per_block: int, sms: int) -> int:
+def geometry(rows: int) -> tuple[int, int]:
+    """(warps per block, blocks per SM) of the split-K kernel for R = rows. Up to FEW_ROWS rows, WARPS warps and
+    BLOCKS_PER_SM (H200, R = 1: one block of 16 warps per SM beat two of 8 by 2 to 13% on the 8 to 34 MB matrices
+    of Llama-3.2-1B: half the slices to add); beyond, each thread's R x 8 sums need more registers than 16 warps
+    can have, so 8 warps and two blocks per SM."""
+    return (WARPS, BLOCKS_PER_SM) if rows <= FEW_ROWS else (sized(8, 2), 2)
+
+
+def split_k(K: int, N: int, cols_per_block: int, sms: int, warps: int = WARPS, per_sm: int = BLOCKS_PER_SM) -> int:
     """The number S of K-slices of the split-K matmul (N columns in groups of cols_per_block, on `sms` SMs).
 
     The grid is (column groups) x S blocks, G = ceil(N / cols_per_block) groups: S is the integer that brings
-    G x S closest to BLOCKS_PER_SM x sms (a few blocks per SM), but at most K // MIN_SLICE, so that no slice
+    G x S closest to per_sm x sms (about per_sm blocks per SM), but at most K // MIN_SLICE, so that no slice
     is shorter than MIN_SLICE (slice s covers k in [s K // S, (s + 1) K // S): its length is K // S or one
     more), and at least 1 (then the one slice may be short: K < 2 MIN_SLICE). When K is a multiple of a
-    block's step (WARPS x UNROLL rows), S is the divisor of K / step nearest that integer, so that every slice is
+    block's step (warps x UNROLL rows), S is the divisor of K / step nearest that integer, so that every slice is
     whole steps: no rows are left over for the loop that reads one row at a time, a memory latency per row (on
     the H200, 8192 x 2048 took 33 slices of 248 rows: 7 rows one at a time per warp).
     """
     groups = -(-N // cols_per_block)
-    want = max(1, min(round(BLOCKS_PER_SM * sms / groups), K // MIN_SLICE))
-    steps, left = divmod(K, WARPS * UNROLL)
+    want = max(1, min(round(per_sm * sms / groups), K // MIN_SLICE))
+    steps, left = divmod(K, warps * UNROLL)
     if left:
         return want
     most = max(1, min(steps, K // MIN_SLICE))
@@ -90,12 +102,12 @@ def split_k(K: int, N: int, cols_per_block: int, sms: int) -> int:
 @cuda.jit(device=True)
 def store_row(sums, partial, s, r, col0):
     """partial[s, r, col0 + c] = sums[0, c] + sums[1, c] + ... (warps in order), for columns < N.
-    sums: shared [WARPS, width], written by all warps before the call (after a syncthreads)."""
+    sums: shared [warps, width], written by all warps before the call (after a syncthreads)."""
     width = sums.shape[1]
     for c in range(cuda.threadIdx.x, width, cuda.blockDim.x):
         if col0 + c < partial.shape[2]:
             v = sums[0, c]
-            for w in range(1, WARPS):
+            for w in range(1, sums.shape[0]):
                 v += sums[w, c]
             partial[s, r, col0 + c] = v
 
@@ -124,12 +136,14 @@ def _make_split_k(rows, width, load, bias_f32):
     per_row) gives the `width` float32 weights of row k, columns width v .. width v + width - 1; bias_f32 reads
     one bias element."""
     group = 32 * width  # columns of a block
+    warps = geometry(rows)[0]
 
     def matmul_split_k(a, b, bias, partial, done, out):
         """out = a [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), through partial [S, R, N]: block
         (g, s) sums slice s of K for the columns of group g into partial[s]; the group's last block to finish
-        (done[g] counts them) adds the S slices in order, and the bias. Grid (ceil(N / group), S), THREADS."""
-        sums = cuda.shared.array((WARPS, group), dtype=float32)
+        (done[g] counts them) adds the S slices in order, and the bias. Grid (ceil(N / group), S), blocks of 32 x
+        warps threads."""
+        sums = cuda.shared.array((warps, group), dtype=float32)
         last = cuda.shared.array(1, dtype=int32)
         acc = cuda.local.array((rows, width), dtype=float32)
         buf = cuda.local.array((UNROLL, width), dtype=float32)
@@ -142,24 +156,24 @@ def _make_split_k(rows, width, load, bias_f32):
             for c in range(width):
                 acc[r, c] = float32(0)
         if v < per_row:
-            while k + (UNROLL - 1) * WARPS < k_end:  # rows k, k + WARPS, ..., k + (UNROLL - 1) WARPS
+            while k + (UNROLL - 1) * warps < k_end:  # rows k, k + warps, ..., k + (UNROLL - 1) warps
                 for u in range(UNROLL):  # all the loads first: UNROLL in flight
-                    w = load(b, k + u * WARPS, v, per_row)
+                    w = load(b, k + u * warps, v, per_row)
                     for c in range(width):
                         buf[u, c] = w[c]
                 for r in range(rows):
                     for u in range(UNROLL):
-                        x = a[r, k + u * WARPS]
+                        x = a[r, k + u * warps]
                         for c in range(width):
                             acc[r, c] += x * buf[u, c]
-                k += UNROLL * WARPS
+                k += UNROLL * warps
             while k < k_end:
                 w = load(b, k, v, per_row)
                 for r in range(rows):
                     x = a[r, k]
                     for c in range(width):
                         acc[r, c] += x * w[c]
-                k += WARPS
+                k += warps
         for r in range(rows):  # the block's sums, one row at a time, warps in order
             for c in range(width):
                 sums[warp, lane * width + c] = acc[r, c]
@@ -190,7 +204,7 @@ def _make_split_k(rows, width, load, bias_f32):
 def _make_transposed(rows, to_f32):
     @cuda.jit
     def matmul_transposed_warps(a, b, out):
-        """out[r, n] = a[r, :] . b[n, :] (b [N, K]): one warp per row n, lanes along K; block THREADS."""
+        """out[r, n] = a[r, :] . b[n, :] (b [N, K]): one warp per row n, lanes along K; block T_THREADS."""
         acc = cuda.local.array(rows, dtype=float32)
         buf = cuda.local.array(UNROLL, dtype=float32)
         N, K = b.shape[0], b.shape[1]
@@ -224,7 +238,7 @@ def _make_transposed_vec(rows, load8):
     def matmul_transposed_vec(a_words, words, out):
         """out[r, n] = a[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), both seen as flat
         uint32 words: a team of TEAM lanes per row n (4 rows per warp), lane j of the team reads the groups
-        j, j + TEAM, ... of 8 elements; block THREADS, grid-stride over rows (warps move together)."""
+        j, j + TEAM, ... of 8 elements; block T_THREADS, grid-stride over rows (warps move together)."""
         acc = cuda.local.array(rows, dtype=float32)
         buf = cuda.local.array((UNROLL, VEC), dtype=float32)
         N, per_row = out.shape[1], a_words.shape[0] // (rows * VEC)  # per_row = K / 8 groups of a row
@@ -355,9 +369,10 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     width = VEC if kind.endswith("x8") else 1
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
+    warps, per_sm = geometry(R)
+    groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count(), warps, per_sm)
     partial = empty((slices, R, N), np.float32, stream, rt)
-    launch(kernel_for("split_k", kind, R, bias_kind), (groups, slices), THREADS, stream, rt,
+    launch(kernel_for("split_k", kind, R, bias_kind), (groups, slices), 32 * warps, stream, rt,
            a, words(b) if width == VEC else b, no_bias() if bias is None else bias, partial, done_counters(groups), out)
     return out
 
@@ -382,7 +397,7 @@ def matmul_transposed(a, b, out=None, stream=0, rt=None):
     if out is not None and out.shape != (R, N):
         raise ValueError(f"matmul_transposed: out is {out.shape}, expected {(R, N)}")
     kind = weight_kind(b, vector=K % VEC == 0 and aligned16(b) and aligned16(a))
-    a, b, per_block = (words(a), words(b), WARPS * 32 // TEAM) if kind.endswith("x8") else (a, b, WARPS)
+    a, b, per_block = (words(a), words(b), T_WARPS * 32 // TEAM) if kind.endswith("x8") else (a, b, T_WARPS)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    launch(kernel_for("transposed", kind, R), _grid_stride_blocks(N, per_block), THREADS, stream, rt, a, b, out)
+    launch(kernel_for("transposed", kind, R), _grid_stride_blocks(N, per_block), T_THREADS, stream, rt, a, b, out)
     return out

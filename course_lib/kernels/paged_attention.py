@@ -54,7 +54,8 @@ from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 8  # query heads per KV head (H / Hkv)
-WARPS = sized(4, 1)  # warps of a flash_decode_chunks block
+MAX_GROUP_DIMS = 1024  # G x hd at most: the warps' partial outputs (WARPS x G x hd floats) fill shared memory
+WARPS = sized(8, 1)  # warps of a flash_decode_chunks block (H200: 8 beat 2 and 4)
 THREADS = 32 * WARPS
 UNROLL = 4  # keys per team and step: 2 UNROLL 16-byte groups of bf16 in flight per lane (4 UNROLL of float32)
 BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (2, 3 and 4 measured: 2 is best at 4k)
@@ -402,15 +403,17 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     keys 0..positions[t], key j at row page_table[j // page_size] * page_size + j % page_size (each positions[t] <
     P * page_size, unchecked). max_len: an upper bound of max(positions) + 1 on the host (it sizes the grid; a
     larger one costs idle blocks, never changes the result); None reads positions back from the device (a sync).
-    H a multiple of Hkv, H / Hkv <= MAX_GROUP, hd a multiple of 8 and <= MAX_HEAD_DIM. -> out [T, H, hd] float32.
+    H a multiple of Hkv, G = H / Hkv <= MAX_GROUP, hd a multiple of 8 and <= MAX_HEAD_DIM, G hd <= MAX_GROUP_DIMS.
+    -> out [T, H, hd] float32.
     """
     T, H, hd = q.shape
     Hkv = k_table.shape[1]
-    if (H % Hkv or H // Hkv > MAX_GROUP or hd % 8 or hd > MAX_HEAD_DIM or k_table.shape[2] != hd
-            or v_table.shape != k_table.shape or v_table.dtype != k_table.dtype or positions.shape != (T,)):
+    if (H % Hkv or H // Hkv > MAX_GROUP or hd % 8 or hd > MAX_HEAD_DIM or H // Hkv * hd > MAX_GROUP_DIMS
+            or k_table.shape[2] != hd or v_table.shape != k_table.shape or v_table.dtype != k_table.dtype
+            or positions.shape != (T,)):
         raise ValueError(f"flash_attention: q {q.shape}, k_table {k_table.shape} {k_table.dtype}, v_table "
                          f"{v_table.shape} {v_table.dtype}, positions {positions.shape} (H / Hkv <= {MAX_GROUP}, "
-                         f"hd a multiple of 8, <= {MAX_HEAD_DIM})")
+                         f"hd a multiple of 8, <= {MAX_HEAD_DIM}, H / Hkv x hd <= {MAX_GROUP_DIMS})")
     if not (aligned16(k_table) and aligned16(v_table)):
         raise ValueError("flash_attention: the key and value tables must be C-contiguous and 16-byte aligned")
     kernel = _chunks_kernel(k_table.dtype, H // Hkv, hd, page_size)
