@@ -507,9 +507,9 @@ for dtype in (np.float32, np.uint16):
         (f"embedding_rows[{dt}]", elementwise._EMBEDDING[dt], f"void({w2}, {I1}, {F2})"),
         (f"rms_norm_rows[{dt}]", elementwise._RMS_NORM[dt], f"void({F2}, {w1}, float32, {F2})"),
     ]
-for rows in (1, narrow.MAX_ROWS):  # the narrow kernels, one per (R, weight kind)
+for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one per (R, weight kind)
     for kind, w2 in (("f32", F2), ("bf16", "uint16[:, ::1]"), ("f32x8", "uint32[::1]"), ("bf16x8", "uint32[::1]")):
-        for bias, b1 in (("f32", F1), ("bf16", "uint16[::1]")):
+        for bias, b1 in (("f32", F1), ("bf16", "uint16[::1]")) if rows <= narrow.KERNEL_ROWS else ():
             jobs.append((f"split_k[{kind}, R={rows}, bias {bias}]", narrow.kernel_for("split_k", kind, rows, bias),
                          f"void({F2}, {w2}, {b1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
@@ -603,22 +603,25 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     rt = _RecordingRuntime()
     got = nw.matmul_narrow(dev(a), dev(b), None if bias is None else dev(bias), out=poisoned((M, N)), rt=rt)
     check(got.copy_to_host(), want, tol)
-    [(slices, rows, cols)] = rt.shapes  # the scratch partial sums (out was given)
-    assert (rows, cols) == (M, N) and slices >= 2 and K % slices != 0  # several slices, K not a multiple
-    assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"]  # the bias inside
+    [(slices, rows, cols)] = rt.shapes  # the scratch partial sums (out was given), shared by the launches
+    assert (rows, cols) == (min(M, nw.KERNEL_ROWS), N) and slices >= 2 and K % slices != 0  # K not a multiple
+    launches = -(-M // nw.KERNEL_ROWS)  # KERNEL_ROWS rows per launch; the bias inside
+    assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"] * launches
 
 
 def test_matmul_narrow_deterministic(rng):
     """Fixed summation order (no atomics): two runs agree bit for bit, and a row's result does not depend on the
-    other rows (one token alone or inside a prompt gets the same bits)."""
-    a, b, bias, want, tol = linear_case(rng, 3, 200, 72, "bf16", "f32")
+    other rows (one token alone or inside a prompt gets the same bits), here across two launches of rows."""
+    M = nw.KERNEL_ROWS + 2
+    a, b, bias, want, tol = linear_case(rng, M, 200, 72, "bf16", "f32")
     a_dev, b_dev, bias_dev = dev(a), dev(b), dev(bias)
     first = nw.matmul_narrow(a_dev, b_dev, bias_dev).copy_to_host()
-    second = nw.matmul_narrow(a_dev, b_dev, bias_dev, out=poisoned((3, 72))).copy_to_host()
-    alone = nw.matmul_narrow(dev(a[1:2]), b_dev, bias_dev, out=poisoned((1, 72))).copy_to_host()
+    second = nw.matmul_narrow(a_dev, b_dev, bias_dev, out=poisoned((M, 72))).copy_to_host()
     check(first, want, tol)
     np.testing.assert_array_equal(first.view(np.uint32), second.view(np.uint32))
-    np.testing.assert_array_equal(first[1:2].view(np.uint32), alone.view(np.uint32))
+    for r in (1, M - 1):
+        alone = nw.matmul_narrow(dev(a[r:r + 1]), b_dev, bias_dev, out=poisoned((1, 72))).copy_to_host()
+        np.testing.assert_array_equal(first[r:r + 1].view(np.uint32), alone.view(np.uint32))
 
 
 def test_matmul_narrow_rejects(rng):
@@ -706,7 +709,7 @@ def test_split_k_whole_steps():
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("K,N", REAL_PROJECTIONS)
 def test_matmul_narrow_real(rng, K, N, dtype):
-    """[R, K] @ [K, N] + bias for R = 1 and 16; bit-identical when run again."""
+    """[R, K] @ [K, N] + bias for R = 1 and 16; bit-identical when run again, and a row alone or among 16."""
     a, b, bias, _, tol = linear_case(rng, 16, K, N, dtype, dtype)
     b32 = bf16_to_f32(b) if dtype == "bf16" else b
     bias32 = bf16_to_f32(bias) if dtype == "bf16" else bias
@@ -717,6 +720,8 @@ def test_matmul_narrow_real(rng, K, N, dtype):
         check(got, want[:rows], tol[:rows], f"[{rows}, {K}] @ [{K}, {N}] {dtype}")
     again = nw.matmul_narrow(dev(a), b_dev, bias_dev).copy_to_host()
     np.testing.assert_array_equal(again.view(np.uint32), got.view(np.uint32))
+    alone = nw.matmul_narrow(dev(a[15:]), b_dev, bias_dev).copy_to_host()  # the last row alone: the same bits
+    np.testing.assert_array_equal(alone.view(np.uint32), got[15:].view(np.uint32))
 
 
 @real_shapes

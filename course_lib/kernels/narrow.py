@@ -3,15 +3,14 @@
 The tiled matmul (matmul.py) spends 64-row tiles on one row and launches only N / 64 blocks. Here every weight
 is read once, by reads the memory system likes, and the grid is sized to fill the GPU.
 
-Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel:
-- `matmul_split_k_vec`: a block of W warps (`geometry`: 16 up to FEW_ROWS rows, one block per SM; 8 beyond, two
-  per SM) owns a group of 256 adjacent columns and one slice of K (grid: column groups x S slices, S from
-  `split_k`). Lane l owns 8 adjacent columns, read with 16-byte loads (`vector.load16`: one load for 8 bf16
-  weights, two for 8 float32), so a warp reads 512 contiguous bytes of a bf16 weight row per instruction. Warp w
-  takes the rows k0 + w, k0 + w + W, ... of the slice, UNROLL (8) rows at a time: eight loads in flight, then the
-  FMAs into 8 R running sums (R is a compile-time constant: one kernel per R, the sums stay in registers). The
-  warps' sums meet in shared memory, one row r at a time, and are added in warp order into a scratch
-  partial[s, r, col].
+Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel (per KERNEL_ROWS rows):
+- `matmul_split_k_vec`: a block of WARPS warps (16, one block per SM; 2 in the simulator) owns a group of 256
+  adjacent columns and one slice of K (grid: column groups x S slices, S from `split_k`). Lane l owns 8 adjacent
+  columns, read with 16-byte loads (`vector.load16`: one load for 8 bf16 weights, two for 8 float32), so a warp
+  reads 512 contiguous bytes of a bf16 weight row per instruction. Warp w takes the rows k0 + w, k0 + w + WARPS,
+  ... of the slice, UNROLL (8) rows at a time: eight loads in flight, then the FMAs into 8 R running sums (R is a
+  compile-time constant: one kernel per R, the sums stay in registers). The warps' sums meet in shared memory,
+  one row r at a time, and are added in warp order into a scratch partial[s, r, col].
   It needs N % 8 == 0 and 16-byte aligned weights; otherwise `matmul_split_k` does the same with one column per
   lane and one 4-byte (f32) or 2-byte (bf16) load per weight, 32 columns per group.
 - The slices meet without a second kernel: each block, once its partial sums are written, counts itself in
@@ -19,8 +18,10 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel:
   out[r, n] = partial[0, r, n] + ... + partial[S - 1, r, n] (+ bias[n]) in slice order, and resets the counter.
   The atomic only elects a block: the sums are always added in the same order, so the result is the same bit
   for bit from run to run, whichever block comes last. The bias is added there, for free (no bias kernel).
-A row's result does not depend on R (the slices depend only on K and N, and each row is summed in the same
-order): one token alone or inside a prompt gets the same bits.
+A launch takes at most KERNEL_ROWS rows (R x 8 running sums per thread: 16 rows would need more registers than 16
+warps can have); more rows are done KERNEL_ROWS at a time. A row's result therefore does not depend on R (the
+slices depend only on K and N, and each row is summed in the same order by the same geometry): one token alone
+or inside a prompt gets the same bits.
 
 Transposed matmul, out[R, N] = a[R, K] @ b[N, K].T without copying b (tied-embedding logits: b is the [vocab, d]
 embedding table), in one kernel, `matmul_transposed_vec`: a team of 8 lanes per row n of b (a warp takes 4 rows
@@ -54,28 +55,21 @@ from course_lib.kernels.elementwise import segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
-WARPS = sized(16, 2)  # split-K warps per block up to FEW_ROWS rows (the simulator keeps full warps, fewer of them)
-FEW_ROWS = 4  # beyond, split-K blocks take 8 warps (16 would need more than an SM's 65,536 registers)
+WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
+KERNEL_ROWS = 4  # rows per split-K launch (more would not fit the registers of 16 warps: 65,536 per SM)
+THREADS = 32 * WARPS
 T_WARPS = sized(8, 2)  # warps per block of the transposed kernels
 T_THREADS = 32 * T_WARPS
 UNROLL = 8  # loads in flight per thread
 VEC = 8  # elements per lane and 16-byte load group
 TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
-BLOCKS_PER_SM = sized(1, 2)  # split_k's target per SM up to FEW_ROWS rows (the simulator's 2 SMs need 2 to split
-# the tests' small K)
+BLOCKS_PER_SM = sized(1, 2)  # split_k's target (H200: one block of 16 warps per SM beat two of 8 by 2 to 13% on
+# the 8-34 MB matrices of Llama-3.2-1B, half the slices to add; the simulator's 2 SMs need 2 to split small K)
 MAX_GRID = sized(1 << 20, 2)  # grid cap of the grid-stride kernels (never reached on a GPU)
 
 
 # ---- how K is split ----
-
-def geometry(rows: int) -> tuple[int, int]:
-    """(warps per block, blocks per SM) of the split-K kernel for R = rows. Up to FEW_ROWS rows, WARPS warps and
-    BLOCKS_PER_SM (H200, R = 1: one block of 16 warps per SM beat two of 8 by 2 to 13% on the 8 to 34 MB matrices
-    of Llama-3.2-1B: half the slices to add); beyond, each thread's R x 8 sums need more registers than 16 warps
-    can have, so 8 warps and two blocks per SM."""
-    return (WARPS, BLOCKS_PER_SM) if rows <= FEW_ROWS else (sized(8, 2), 2)
-
 
 def split_k(K: int, N: int, cols_per_block: int, sms: int, warps: int = WARPS, per_sm: int = BLOCKS_PER_SM) -> int:
     """The number S of K-slices of the split-K matmul (N columns in groups of cols_per_block, on `sms` SMs).
@@ -136,14 +130,12 @@ def _make_split_k(rows, width, load, bias_f32):
     per_row) gives the `width` float32 weights of row k, columns width v .. width v + width - 1; bias_f32 reads
     one bias element."""
     group = 32 * width  # columns of a block
-    warps = geometry(rows)[0]
 
     def matmul_split_k(a, b, bias, partial, done, out):
         """out = a [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), through partial [S, R, N]: block
         (g, s) sums slice s of K for the columns of group g into partial[s]; the group's last block to finish
-        (done[g] counts them) adds the S slices in order, and the bias. Grid (ceil(N / group), S), blocks of 32 x
-        warps threads."""
-        sums = cuda.shared.array((warps, group), dtype=float32)
+        (done[g] counts them) adds the S slices in order, and the bias. Grid (ceil(N / group), S), THREADS."""
+        sums = cuda.shared.array((WARPS, group), dtype=float32)
         last = cuda.shared.array(1, dtype=int32)
         acc = cuda.local.array((rows, width), dtype=float32)
         buf = cuda.local.array((UNROLL, width), dtype=float32)
@@ -156,24 +148,24 @@ def _make_split_k(rows, width, load, bias_f32):
             for c in range(width):
                 acc[r, c] = float32(0)
         if v < per_row:
-            while k + (UNROLL - 1) * warps < k_end:  # rows k, k + warps, ..., k + (UNROLL - 1) warps
+            while k + (UNROLL - 1) * WARPS < k_end:  # rows k, k + WARPS, ..., k + (UNROLL - 1) WARPS
                 for u in range(UNROLL):  # all the loads first: UNROLL in flight
-                    w = load(b, k + u * warps, v, per_row)
+                    w = load(b, k + u * WARPS, v, per_row)
                     for c in range(width):
                         buf[u, c] = w[c]
                 for r in range(rows):
                     for u in range(UNROLL):
-                        x = a[r, k + u * warps]
+                        x = a[r, k + u * WARPS]
                         for c in range(width):
                             acc[r, c] += x * buf[u, c]
-                k += UNROLL * warps
+                k += UNROLL * WARPS
             while k < k_end:
                 w = load(b, k, v, per_row)
                 for r in range(rows):
                     x = a[r, k]
                     for c in range(width):
                         acc[r, c] += x * w[c]
-                k += warps
+                k += WARPS
         for r in range(rows):  # the block's sums, one row at a time, warps in order
             for c in range(width):
                 sums[warp, lane * width + c] = acc[r, c]
@@ -357,7 +349,8 @@ def _grid_stride_blocks(n: int, per_block: int) -> int:
 
 def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
-    for 1 <= R <= MAX_ROWS: one split-K kernel, through a scratch [S, R, N] of partial sums (see the top)."""
+    for 1 <= R <= MAX_ROWS: one split-K kernel per KERNEL_ROWS rows, through a scratch [S, rows, N] of partial
+    sums (see the top)."""
     (R, K), (K2, N) = a.shape, b.shape
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"matmul_narrow: a has {R} rows, expected 1 to {MAX_ROWS} (use linear)")
@@ -369,11 +362,14 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     width = VEC if kind.endswith("x8") else 1
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    warps, per_sm = geometry(R)
-    groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count(), warps, per_sm)
-    partial = empty((slices, R, N), np.float32, stream, rt)
-    launch(kernel_for("split_k", kind, R, bias_kind), (groups, slices), 32 * warps, stream, rt,
-           a, words(b) if width == VEC else b, no_bias() if bias is None else bias, partial, done_counters(groups), out)
+    groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
+    partial = empty((slices, min(R, KERNEL_ROWS), N), np.float32, stream, rt)
+    weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
+    for r0 in range(0, R, KERNEL_ROWS):  # the launches run one after another on the stream: one scratch for all
+        rows = slice(r0, min(R, r0 + KERNEL_ROWS))
+        a_rows, out_rows = (a, out) if R <= KERNEL_ROWS else (a[rows], out[rows])
+        launch(kernel_for("split_k", kind, a_rows.shape[0], bias_kind), (groups, slices), THREADS, stream, rt, a_rows,
+               weights, bias, partial, done_counters(groups), out_rows)
     return out
 
 
