@@ -31,16 +31,16 @@ chunks from positions[t]: a query gives the same bits alone (decode) and inside 
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
 
 Measured on the H200 (decode, T = 1, float32 cache, GPU time per call, KV bytes read / time; notebook 04): at
-4096 keys 0.41 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, 15 us), 0.9 TB/s on
-Llama-3.2-1B shapes (32, 8, 64), 1.35 TB/s on Llama-3.1-8B shapes (32, 8, 128); at 16384 keys 1.1, 1.9 and
-2.4 TB/s (the copy bandwidth is ~3.9-4.0 TB/s). Small layers are bound by fixed costs, not by bandwidth: timed
-apart at SmolLM2's 4k, flash_decode_chunks takes 8.1 us and merge_chunks 6.4 us (an empty kernel: 1.3 us), each a
-chain of memory latencies; on the 8B shapes the loop over keys streams at ~3.2 TB/s (the chunk kernel's time from 4k
-to 16k). Looking the page table up a step ahead (instead of before each key's loads) gave 1.14 -> 1.35 TB/s at 4k
-and 1.9 -> 2.4 at 16k on the 8B shapes. Variants measured and left: 2 keys per step with the next step's loads in
-flight (double buffering), 3 or 4 blocks per SM, a merge done by the last block of each query instead of a second
-kernel (much slower: one block then reads every chunk's results), and a merge loading all chunks at once with 1024
-threads (8 us: slower).
+4096 keys 0.48 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, 13.1 us, where a plain read of
+those bytes in one kernel takes 4.7 us), 0.98 TB/s on Llama-3.2-1B shapes (32, 8, 64), 1.5 TB/s on Llama-3.1-8B
+shapes (32, 8, 128); at 16384 keys 1.3, 2.2 and 2.9 TB/s (the copy bandwidth is ~3.9 TB/s). Small layers are bound
+by fixed costs, not by bandwidth: timed apart at SmolLM2's 4k (4-warp blocks), flash_decode_chunks took 8.1 us and
+merge_chunks 5.3 us (an empty kernel: 1.3 us), each a chain of memory latencies. What helped: the page table
+looked up a step ahead (8B shapes at 4k 1.14 -> 1.35 TB/s), the merge loading 8 chunks at once (6.4 -> 5.3 us),
+8 warps per block instead of 4 (8B shapes at 16k 2.44 -> 2.88 TB/s). Variants measured and left: 2 keys per step
+with the next step's loads in flight (double buffering), 3 or 4 blocks per SM, 2 warps per block, 1 or 2 keys per
+team and step, a merge done by the last block of each query instead of a second kernel (much slower: one block
+then reads every chunk's results), and a merge loading all chunks at once with 1024 threads (8 us: slower).
 """
 
 import math
