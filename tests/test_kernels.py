@@ -609,9 +609,11 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"] * launches
 
 
-def test_matmul_narrow_deterministic(rng):
+def test_matmul_narrow_deterministic(rng, monkeypatch):
     """Fixed summation order (no atomics): two runs agree bit for bit, and a row's result does not depend on the
-    other rows (one token alone or inside a prompt gets the same bits), here across two launches of rows."""
+    other rows (one token alone or inside a prompt gets the same bits), here across two launches of rows (4 rows
+    per launch, as on a GPU)."""
+    monkeypatch.setattr(nw, "KERNEL_ROWS", 4)
     M = nw.KERNEL_ROWS + 2
     a, b, bias, want, tol = linear_case(rng, M, 200, 72, "bf16", "f32")
     a_dev, b_dev, bias_dev = dev(a), dev(b), dev(bias)

@@ -56,7 +56,8 @@ from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
-KERNEL_ROWS = 4  # rows per split-K launch (more would not fit the registers of 16 warps: 65,536 per SM)
+KERNEL_ROWS = sized(4, MAX_ROWS)  # rows per split-K launch: more would not fit the registers of 16 warps (65,536 per
+# SM); the simulator has no registers to run out of, and pays a Python thread per CUDA thread of every launch
 THREADS = 32 * WARPS
 T_WARPS = sized(8, 2)  # warps per block of the transposed kernels
 T_THREADS = 32 * T_WARPS
