@@ -113,13 +113,19 @@ def _gb_per_s(run, buffers: list, nbytes: int, repeats: int) -> float:
     return nbytes * repeats / (cuda.event_elapsed_time(start, end) / 1e3) / 1e9
 
 
+def _copies(nbytes: int) -> int:
+    """How many copies of an nbytes array the timed runs rotate over: enough for 256 MB, so that each run reads
+    from memory, not from the 50 MB L2 cache (2 in the simulator)."""
+    return by_mode(max(2, -(-(256 << 20) // nbytes)), 2)
+
+
 def read_bandwidth(nbytes: int, repeats: int = 30) -> float:
     """GB/s of one plain read of `nbytes` (copy.read, GPU time, see _gb_per_s), rotating over >= 256 MB of arrays
     so that they come from memory: the most one kernel that reads nbytes once reaches on this GPU, its fixed costs
     (launch, ramp-up, tail) included. Small reads fall far below the copy bandwidth; matmuls and attention are
     compared with this at their own sizes."""
     host = np.random.default_rng(0).standard_normal(max(8, nbytes // 32 * 8), dtype=np.float32)
-    arrays = [cuda.to_device(host) for _ in range(by_mode(max(2, -(-(256 << 20) // host.nbytes)), 2))]
+    arrays = [cuda.to_device(host) for _ in range(_copies(host.nbytes))]
     out = k_copy.read(arrays[0])
     return _gb_per_s(partial(k_copy.read, out=out), arrays, host.nbytes, repeats)
 
@@ -149,7 +155,7 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
     for K, N in shapes:
         host = rng.standard_normal((K, N), dtype=np.float32) / np.float32(np.sqrt(K))
         host = f32_to_bf16(host) if weights == "bf16" else host
-        copies = by_mode(max(2, -(-(256 << 20) // host.nbytes)), 2)
+        copies = _copies(host.nbytes)
         a = cuda.to_device(rng.standard_normal((rows, K), dtype=np.float32))
         row = {"K": K, "N": N, "MB": host.nbytes / 1e6, "read": read_bandwidth(host.nbytes, repeats)}
         kn = [cuda.to_device(host) for _ in range(copies)]
@@ -189,7 +195,7 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[d
     for n in lengths:
         pages = -(-n // page)
         kv = rng.standard_normal((2, pages * page, Hkv, hd), dtype=np.float32)
-        copies = by_mode(max(2, -(-(256 << 20) // kv.nbytes)), 2)
+        copies = _copies(kv.nbytes)
         caches = [(cuda.to_device(kv[0]), cuda.to_device(kv[1])) for _ in range(copies)]
         positions = cuda.to_device(np.array([n - 1], np.int32))
         table = cuda.to_device(rng.permutation(pages).astype(np.int32))

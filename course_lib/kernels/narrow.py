@@ -97,12 +97,12 @@ def split_k(K: int, N: int, cols_per_block: int, sms: int, warps: int = WARPS, p
 @cuda.jit(device=True)
 def store_row(sums, partial, s, r, col0):
     """partial[s, r, col0 + c] = sums[0, c] + sums[1, c] + ... (warps in order), for columns < N.
-    sums: shared [warps, width], written by all warps before the call (after a syncthreads)."""
+    sums: shared [WARPS, width], written by all warps before the call (after a syncthreads)."""
     width = sums.shape[1]
     for c in range(cuda.threadIdx.x, width, cuda.blockDim.x):
         if col0 + c < partial.shape[2]:
             v = sums[0, c]
-            for w in range(1, sums.shape[0]):
+            for w in range(1, WARPS):
                 v += sums[w, c]
             partial[s, r, col0 + c] = v
 
