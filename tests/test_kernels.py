@@ -570,15 +570,16 @@ def test_kernels_compile_for_sm90():
 # ---- narrow.py: split-K matmul and transposed matmul for R <= 16 rows ----
 
 class _RecordingRuntime(_CountingRuntime):
-    """A _CountingRuntime that also keeps the shapes it allocated (the split-K scratch shows the slice count)."""
+    """A _CountingRuntime that also keeps the shape of each split-K launch's partial sums (it shows the slices)."""
 
     def __init__(self):
         super().__init__()
-        self.shapes = []
+        self.partials = []
 
-    def empty(self, shape, dtype=np.float32):
-        self.shapes.append(tuple(shape))
-        return super().empty(shape, dtype)
+    def launch(self, name, kernel, grid, block, *args):
+        if name.startswith("matmul_split_k"):
+            self.partials.append(args[3].shape)  # (a, weights, bias, partial, done, out)
+        super().launch(name, kernel, grid, block, *args)
 
 
 def linear_case(rng, M, K, N, dtype, bias_dtype):
@@ -603,7 +604,8 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     rt = _RecordingRuntime()
     got = nw.matmul_narrow(dev(a), dev(b), None if bias is None else dev(bias), out=poisoned((M, N)), rt=rt)
     check(got.copy_to_host(), want, tol)
-    [(slices, rows, cols)] = rt.shapes  # the scratch partial sums (out was given), shared by the launches
+    [(slices, rows, cols)] = set(rt.partials)  # the partial sums, shared by the launches
+    assert rt.allocations == 0  # out was given; the partial sums are a view of a buffer kept between calls
     assert (rows, cols) == (min(M, nw.KERNEL_ROWS), N) and slices >= 2 and K % slices != 0  # K not a multiple
     launches = -(-M // nw.KERNEL_ROWS)  # KERNEL_ROWS rows per launch; the bias inside
     assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"] * launches

@@ -72,6 +72,7 @@ MAX_GRID = sized(1 << 20, 2)  # grid cap of the grid-stride kernels (never reach
 
 # ---- how K is split ----
 
+@functools.cache
 def split_k(K: int, N: int, cols_per_block: int, sms: int, warps: int = WARPS, per_sm: int = BLOCKS_PER_SM) -> int:
     """The number S of K-slices of the split-K matmul (N columns in groups of cols_per_block, on `sms` SMs).
 
@@ -318,6 +319,7 @@ def kernel_for(family: str, kind: str, rows: int, bias: str = "f32"):
 
 
 _done = None  # the split-K kernels' per-group counters: zero between launches (the last block resets its own)
+_partial = None  # the split-K kernels' partial sums: overwritten by every launch
 
 
 def done_counters(groups: int):
@@ -327,6 +329,17 @@ def done_counters(groups: int):
     if _done is None or _done.size < groups:
         _done = cuda.to_device(np.zeros(max(groups, 4096), np.int32))
     return _done
+
+
+def partial_sums(shape):
+    """A float32 device array of `shape` for a launch's partial sums [S, rows, N], a view of one buffer kept for
+    all split-K launches of the process (grown when too small; one stream at a time, as done_counters): a decode
+    step's 200-odd matmuls allocate nothing (a device allocation costs more host time than the launch)."""
+    global _partial
+    n = int(np.prod(shape))
+    if _partial is None or _partial.size < n:
+        _partial = cuda.device_array(max(n, 1 << 20), np.float32)
+    return _partial[:n].reshape(shape)
 
 
 @functools.cache
@@ -350,8 +363,8 @@ def _grid_stride_blocks(n: int, per_block: int) -> int:
 
 def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
-    for 1 <= R <= MAX_ROWS: one split-K kernel per KERNEL_ROWS rows, through a scratch [S, rows, N] of partial
-    sums (see the top)."""
+    for 1 <= R <= MAX_ROWS: one split-K kernel per KERNEL_ROWS rows, through the partial sums [S, rows, N] of
+    `partial_sums` (see the top)."""
     (R, K), (K2, N) = a.shape, b.shape
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"matmul_narrow: a has {R} rows, expected 1 to {MAX_ROWS} (use linear)")
@@ -364,7 +377,7 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
     groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
-    partial = empty((slices, min(R, KERNEL_ROWS), N), np.float32, stream, rt)
+    partial = partial_sums((slices, min(R, KERNEL_ROWS), N))
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
     for r0 in range(0, R, KERNEL_ROWS):  # the launches run one after another on the stream: one scratch for all
         rows = slice(r0, min(R, r0 + KERNEL_ROWS))
