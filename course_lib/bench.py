@@ -19,15 +19,7 @@ from .profiler import profile_decode, time_decode
 
 def _median_seconds(run, repeats: int) -> float:
     run()  # warm-up: compile and load
-    times = []
-    for _ in range(repeats):
-        start, end = cuda.event(), cuda.event()
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(cuda.event_elapsed_time(start, end) / 1e3)
-    return float(np.median(times))
+    return float(np.median([_elapsed(run, cuda.default_stream()) for _ in range(repeats)]))
 
 
 def measure_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> dict[str, float]:
@@ -96,21 +88,70 @@ def same_text(model, weights: str, ops: dict, n_tokens: int = 32, prompt: str = 
     return tokens == expected
 
 
-def _gb_per_s(run, buffers: list, nbytes: int, repeats: int) -> float:
-    """GB/s of `nbytes` moved by run(buffer), on the buffers in turn, GPU time only: a `hold` kernel keeps the
-    GPU busy while the host queues `repeats` runs (memory frees deferred, so nothing synchronizes), and events
-    time the runs back to back; launch overhead, which the runs would otherwise wait on, is left out."""
-    run(buffers[0])  # compile and load
-    cuda.synchronize()
+def _gb_per_s(run, buffers: list, nbytes: int, repeats: int, graph: bool = False) -> float:
+    """GB/s of `nbytes` moved by run(buffer, stream=s), on the buffers in turn, GPU time only, timed by events
+    around `repeats` runs back to back, with launch overhead left out in one of two ways:
+    - graph=False: a `hold` kernel keeps the GPU busy while the host queues the runs on the default stream. Each
+      kernel still waits for the GPU to start it after the previous one ends (1.6 us for an empty kernel on
+      the H200): the cost of kernels launched one by one.
+    - graph=True: the runs captured once as a CUDA graph (course_lib.graphs) on a stream of their own; the median
+      of 5 replays. The GPU knows each next kernel in advance (0.85 us between empty kernels): the cost inside a
+      graph, where a whole decode step can run.
+    No array is freed while timing (arrays the runs allocate outlive the replays)."""
+    stream = cuda.stream() if graph else cuda.default_stream()
+    run(buffers[0], stream=stream)  # compile and load
+    stream.synchronize()
+
+    def runs():
+        for i in range(repeats):
+            run(buffers[i % len(buffers)], stream=stream)
+
     with cuda.defer_cleanup():
-        start, end = cuda.event(), cuda.event()
-        k_copy.hold[1, 1](20_000)
-        start.record()
+        if graph:
+            from .graphs import Graph
+
+            g = Graph(runs, stream)
+            g.launch(stream)  # first replay: uploads the graph
+            seconds = float(np.median([_elapsed(partial(g.launch, stream), stream) for _ in range(5)]))
+        else:
+            k_copy.hold[1, 1, stream](20_000)
+            seconds = _elapsed(runs, stream)
+    return nbytes * repeats / seconds / 1e9
+
+
+def _elapsed(queue, stream) -> float:
+    """Seconds of GPU time between events recorded on `stream` before and after queue() (waits for the end)."""
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    queue()
+    end.record(stream)
+    end.synchronize()
+    return cuda.event_elapsed_time(start, end) / 1e3
+
+
+def _torch_gb_per_s(torch, run, buffers: list, nbytes: int, repeats: int, graph: bool = False) -> float:
+    """_gb_per_s for PyTorch's run(buffer): on the default stream after a hold, or (graph) captured and replayed
+    as a torch.cuda.CUDAGraph, the same way."""
+    if not graph:
+        return _gb_per_s(lambda b, stream: run(b), buffers, nbytes, repeats)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants (workspaces, handles)
+        run(buffers[0])
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
         for i in range(repeats):
             run(buffers[i % len(buffers)])
+    g.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
         end.record()
         end.synchronize()
-    return nbytes * repeats / (cuda.event_elapsed_time(start, end) / 1e3) / 1e9
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes * repeats / float(np.median(times)) / 1e9
 
 
 def _copies(nbytes: int) -> int:
@@ -119,15 +160,15 @@ def _copies(nbytes: int) -> int:
     return by_mode(max(2, -(-(256 << 20) // nbytes)), 2)
 
 
-def read_bandwidth(nbytes: int, repeats: int = 30) -> float:
+def read_bandwidth(nbytes: int, repeats: int = 30, graph: bool = False) -> float:
     """GB/s of one plain read of `nbytes` (copy.read, GPU time, see _gb_per_s), rotating over >= 256 MB of arrays
     so that they come from memory: the most one kernel that reads nbytes once reaches on this GPU, its fixed costs
     (launch, ramp-up, tail) included. Small reads fall far below the copy bandwidth; matmuls and attention are
-    compared with this at their own sizes."""
+    compared with this at their own sizes, timed the same way (graph or not)."""
     host = np.random.default_rng(0).standard_normal(max(8, nbytes // 32 * 8), dtype=np.float32)
     arrays = [cuda.to_device(host) for _ in range(_copies(host.nbytes))]
     out = k_copy.read(arrays[0])
-    return _gb_per_s(partial(k_copy.read, out=out), arrays, host.nbytes, repeats)
+    return _gb_per_s(partial(k_copy.read, out=out), arrays, host.nbytes, repeats, graph)
 
 
 def torch_cuda():
@@ -139,8 +180,10 @@ def torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
-def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows: int = 1, repeats: int = 30) -> list:
-    """GB/s of weight bytes per matmul kernel (GPU time, see _gb_per_s), for each weight shape (K, N): the tiled
+def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows: int = 1, repeats: int = 30,
+                     graph: bool = False) -> list:
+    """GB/s of weight bytes per matmul kernel (GPU time, see _gb_per_s: kernels launched one by one, or replayed
+    in a CUDA graph with graph=True), for each weight shape (K, N): the tiled
     baseline, the narrow split-K kernel on b [K, N], and the transposed kernel on the same
     weights stored as [N, K]. The runs rotate over enough copies of the weights (>= 256 MB) that they come from
     memory, not from the 50 MB L2 cache. With PyTorch on the GPU, "torch": torch.nn.functional.linear on the
@@ -157,13 +200,13 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
         host = f32_to_bf16(host) if weights == "bf16" else host
         copies = _copies(host.nbytes)
         a = cuda.to_device(rng.standard_normal((rows, K), dtype=np.float32))
-        row = {"K": K, "N": N, "MB": host.nbytes / 1e6, "read": read_bandwidth(host.nbytes, repeats)}
+        row = {"K": K, "N": N, "MB": host.nbytes / 1e6, "read": read_bandwidth(host.nbytes, repeats, graph)}
         kn = [cuda.to_device(host) for _ in range(copies)]
-        row["tiled"] = _gb_per_s(partial(k_matmul.matmul, a), kn, host.nbytes, repeats)
-        row["narrow"] = _gb_per_s(partial(k_narrow.matmul_narrow, a), kn, host.nbytes, repeats)
+        row["tiled"] = _gb_per_s(partial(k_matmul.matmul, a), kn, host.nbytes, repeats, graph)
+        row["narrow"] = _gb_per_s(partial(k_narrow.matmul_narrow, a), kn, host.nbytes, repeats, graph)
         del kn
         nk = [cuda.to_device(np.ascontiguousarray(host.T)) for _ in range(copies)]
-        row["transposed"] = _gb_per_s(partial(k_narrow.matmul_transposed, a), nk, host.nbytes, repeats)
+        row["transposed"] = _gb_per_s(partial(k_narrow.matmul_transposed, a), nk, host.nbytes, repeats, graph)
         del nk
         torch = torch_cuda()
         if torch is not None:
@@ -172,16 +215,18 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
             w_t = w_t.view(dtype)  # the same bits
             ws = [w_t.cuda() for _ in range(copies)]
             x = torch.from_numpy(a.copy_to_host()).cuda().to(dtype)
-            row["torch"] = _gb_per_s(partial(torch.nn.functional.linear, x), ws, host.nbytes, repeats)
+            row["torch"] = _torch_gb_per_s(torch, partial(torch.nn.functional.linear, x), ws, host.nbytes, repeats,
+                                           graph)
             del ws
         out.append(row)
     return out
 
 
-def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[dict]:
+def attention_bandwidth(config, lengths: list[int], repeats: int = 30, graph: bool = False) -> list[dict]:
     """GB/s of keys and values read by one decode step's attention (one query, float32 cache, GPU time, see
-    _gb_per_s), at each context length: the baseline kernel over a contiguous cache, and flash-decoding over a
-    paged cache (pages of 16 in shuffled order). The runs rotate over enough caches (>= 256 MB) that they come
+    _gb_per_s: kernels launched one by one, or replayed in a CUDA graph with graph=True), at each context
+    length: the baseline kernel over a contiguous cache, and flash-decoding over a paged cache (pages of 16 in
+    shuffled order). The runs rotate over enough caches (>= 256 MB) that they come
     from memory, not from the L2 cache. With PyTorch on the GPU, "torch": its scaled_dot_product_attention on a
     contiguous cache (enable_gqa). "read": a plain read of the same bytes (read_bandwidth), the ceiling at this
     size. Rows: {"context", "MB", "read", "baseline", "flash", "chunks"[, "torch"]}."""
@@ -200,23 +245,23 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30) -> list[d
         positions = cuda.to_device(np.array([n - 1], np.int32))
         table = cuda.to_device(rng.permutation(pages).astype(np.int32))
         nbytes = 2 * n * Hkv * hd * 4
-        row = {"context": n, "MB": nbytes / 1e6, "read": read_bandwidth(nbytes, repeats),
+        row = {"context": n, "MB": nbytes / 1e6, "read": read_bandwidth(nbytes, repeats, graph),
                "chunks": k_paged.chunks_for(n, Hkv, hd)[1]}
-        def baseline(c, n=n, positions=positions):
-            return k_attention.attention(q, c[0][:n], c[1][:n], positions)
+        def baseline(c, stream, n=n, positions=positions):
+            return k_attention.attention(q, c[0][:n], c[1][:n], positions, stream=stream)
 
-        def flash(c, n=n, positions=positions, table=table):
-            return k_paged.flash_attention(q, c[0], c[1], table, positions, page, n)
+        def flash(c, stream, n=n, positions=positions, table=table):
+            return k_paged.flash_attention(q, c[0], c[1], table, positions, page, n, stream=stream)
 
-        row["baseline"] = _gb_per_s(baseline, caches, nbytes, repeats)
-        row["flash"] = _gb_per_s(flash, caches, nbytes, repeats)
+        row["baseline"] = _gb_per_s(baseline, caches, nbytes, repeats, graph)
+        row["flash"] = _gb_per_s(flash, caches, nbytes, repeats, graph)
         del caches
         torch = torch_cuda()
         if torch is not None:  # [1, heads, positions, hd], the first n positions
             q_t = torch.from_numpy(q.copy_to_host()).cuda().transpose(0, 1)[None]
             kv_t = [torch.from_numpy(kv[:, :n]).cuda().permute(0, 2, 1, 3)[:, None].contiguous() for _ in range(copies)]
             sdpa = partial(torch.nn.functional.scaled_dot_product_attention, q_t, enable_gqa=True)
-            row["torch"] = _gb_per_s(lambda c, sdpa=sdpa: sdpa(c[0], c[1]), kv_t, nbytes, repeats)
+            row["torch"] = _torch_gb_per_s(torch, lambda c, sdpa=sdpa: sdpa(c[0], c[1]), kv_t, nbytes, repeats, graph)
             del kv_t
         out.append(row)
     return out

@@ -285,6 +285,23 @@ def test_read(rng):
         copy_k.read(dev(src[:-3]))
 
 
+@pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
+def test_graph_replays_the_captured_launches(rng):
+    """Capture runs nothing; each replay runs the captured kernels again, on the arrays' current contents."""
+    from course_lib.graphs import Graph
+
+    stream = cuda.stream()
+    src, mid, dst = dev(randn(rng, 4096)), poisoned(4096), poisoned(4096)
+    graph = Graph(lambda: (copy_k.copy(src, mid, stream=stream), copy_k.copy(mid, dst, stream=stream)), stream)
+    assert np.isnan(dst.copy_to_host()).all()
+    for _ in range(2):
+        fresh = randn(rng, 4096)
+        src.copy_to_device(fresh)
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(dst.copy_to_host(), fresh)
+
+
 class _CountingRuntime:
     """The part of course_lib.runtime.Runtime the wrappers use: empty() and launch(name, kernel, grid, block)."""
 
