@@ -20,6 +20,7 @@ from .kernels import elementwise as k_elt
 from .kernels import matmul as k_matmul
 from .kernels import narrow as k_narrow
 from .kernels import paged_attention as k_paged
+from .kernels import reshaped
 from .kv_cache import PagedKVCache
 from .model import Model
 from .runtime import Runtime
@@ -157,7 +158,7 @@ class CudaBackend:
         for i, lw in enumerate(w["layers"]):
             h = k_elt.rms_norm(x, lw["attn_norm"], c.rms_eps, rt=rt)
             q, k, v = (self._linear(h, lw[m], lw[b]) for m, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
-            q, k, v = (y.reshape(T, -1, c.head_dim) for y in (q, k, v))
+            q, k, v = (reshaped(y, T, -1, c.head_dim) for y in (q, k, v))
             k_elt.rope(q, self.cos, self.sin, pos_d, rt=rt)
             k_elt.rope(k, self.cos, self.sin, pos_d, rt=rt)
             if self.paged:
@@ -171,7 +172,7 @@ class CudaBackend:
                 S = start + T
                 a = k_attention.attention(q, self.k_cache[i].reshape(S, c.n_kv_heads, c.head_dim),
                                           self.v_cache[i].reshape(S, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
-            x = k_elt.add(x, self._linear(a.reshape(T, c.d_model), lw["wo"]), rt=rt)
+            x = k_elt.add(x, self._linear(reshaped(a, T, c.d_model), lw["wo"]), rt=rt)
             h = k_elt.rms_norm(x, lw["mlp_norm"], c.rms_eps, rt=rt)
             gate, up = self._linear(h, lw["w_gate"]), self._linear(h, lw["w_up"])
             x = k_elt.add(x, self._linear(k_elt.silu_mul(gate, up, rt=rt), lw["w_down"]), rt=rt)

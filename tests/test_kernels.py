@@ -317,6 +317,24 @@ class _CountingRuntime:
         kernel[grid, block](*args)
 
 
+def test_cached_views_follow_their_array(rng):
+    """A view is made once per array and shape, sees the array's current contents, and dies with the array: a new
+    array (even at a recycled id) gets a view of its own."""
+    from course_lib.kernels import _VIEWS, reshaped
+
+    x = dev(randn(rng, 6, 4))
+    flat = reshaped(x, -1)
+    assert reshaped(x, -1) is flat and reshaped(x, 3, 8) is not flat and reshaped(x, 3, 8).shape == (3, 8)
+    fresh = randn(rng, 6, 4)
+    x.copy_to_device(fresh)
+    np.testing.assert_array_equal(flat.copy_to_host(), fresh.reshape(-1))
+    key = (id(x), (-1,))
+    del x, flat
+    assert key not in _VIEWS
+    y = dev(np.arange(24, dtype=np.float32).reshape(6, 4))
+    np.testing.assert_array_equal(reshaped(y, -1).copy_to_host(), np.arange(24))
+
+
 def test_wrappers_launch_through_a_runtime(rng):
     rt, src = _CountingRuntime(), randn(rng, 300)
     got = copy_k.copy(dev(src), rt=rt).copy_to_host()

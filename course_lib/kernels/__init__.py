@@ -14,6 +14,7 @@ allocations and launches and can profile them): see `launch` and `empty`.
 
 import functools
 import os
+import weakref
 
 import numpy as np
 
@@ -85,10 +86,29 @@ def launch(kernel, grid, block, stream, rt, *args):
         rt.launch(kernel.py_func.__name__, kernel, grid, block, *args)
 
 
+_VIEWS = {}  # (id(array), what) -> (weak reference to the array, its view), dropped when the array dies
+
+
+def cached_view(arr, what, make):
+    """make(arr), a view of device array arr, made once per (arr, what) and kept while arr lives. Making a Numba
+    device-array view costs about 25 us of host time on the H200, and a decode step needs hundreds: of the weights
+    and KV tables at every launch, of the recycled activations of the paged step at every pass."""
+    key = (id(arr), what)
+    entry = _VIEWS.get(key)
+    if entry is None or entry[0]() is not arr:
+        entry = _VIEWS[key] = (weakref.ref(arr, lambda _: _VIEWS.pop(key, None)), make(arr))
+    return entry[1]
+
+
+def reshaped(arr, *shape):
+    """arr.reshape(*shape), made once per array and shape (see cached_view)."""
+    return cached_view(arr, shape, lambda a: a.reshape(*shape))
+
+
 def empty(shape, dtype=np.float32, stream=0, rt=None):
     """A new device array (from rt.empty, which counts it, when a Runtime is given)."""
     return cuda.device_array(shape, dtype, stream=stream) if rt is None else rt.empty(shape, dtype)
 
 
-__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cuda", "empty", "f32_weight", "for_weight_dtypes",
-           "launch", "pick", "sized"]
+__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "cuda", "empty", "f32_weight",
+           "for_weight_dtypes", "launch", "pick", "reshaped", "sized"]

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import float32
 
-from course_lib.kernels import cuda, empty, for_weight_dtypes, launch, pick, sized
+from course_lib.kernels import cuda, empty, for_weight_dtypes, launch, pick, reshaped, sized
 
 THREADS = sized(256, 64)  # threads per block of the flat (one thread per element) kernels
 NORM_THREADS = sized(256, 32)  # threads per block of rms_norm (one block per row); a multiple of 32
@@ -162,7 +162,7 @@ def rope(x, cos, sin, positions, stream=0, rt=None):
 def silu_mul(gate, up, out=None, stream=0, rt=None):
     """gate, up [T, d_ff] float32 (any equal shapes, C-contiguous) -> out = silu(gate) * up, same shape."""
     out = empty(gate.shape, np.float32, stream, rt) if out is None else out
-    flat = (gate.reshape(-1), up.reshape(-1), out.reshape(-1))
+    flat = (reshaped(gate, -1), reshaped(up, -1), reshaped(out, -1))
     launch(silu_mul_flat, _blocks(out.size, THREADS), THREADS, stream, rt, *flat)
     return out
 
@@ -170,5 +170,6 @@ def silu_mul(gate, up, out=None, stream=0, rt=None):
 def add(a, b, out=None, stream=0, rt=None):
     """a, b [T, d] float32 (any equal shapes, C-contiguous) -> out = a + b (the residual add; out may be a)."""
     out = empty(a.shape, np.float32, stream, rt) if out is None else out
-    launch(add_flat, _blocks(out.size, THREADS), THREADS, stream, rt, a.reshape(-1), b.reshape(-1), out.reshape(-1))
+    launch(add_flat, _blocks(out.size, THREADS), THREADS, stream, rt, reshaped(a, -1), reshaped(b, -1),
+           reshaped(out, -1))
     return out
