@@ -14,6 +14,8 @@ import weakref
 
 from cuda.bindings import driver
 
+from course_lib.kernels import SIMULATOR
+
 
 def _ok(result):
     """The values of a cuda.bindings call, after checking its error code."""
@@ -27,6 +29,10 @@ class Graph:
     """record() captured on `stream` (a Numba stream, not the default stream); launch(stream) replays it."""
 
     def __init__(self, record, stream):
+        if SIMULATOR:
+            raise RuntimeError("CUDA graphs need a GPU: the simulator cannot capture launches")
+        if not int(stream.handle or 0):
+            raise ValueError("the default stream cannot be captured: give the graph a stream of its own, cuda.stream()")
         _ok(driver.cuStreamBeginCapture(stream.handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
         try:
             record()

@@ -285,6 +285,14 @@ def test_read(rng):
         copy_k.read(dev(src[:-3]))
 
 
+def test_graph_errors_are_clear():
+    """No graph in the simulator; on a GPU, none on the default stream (it cannot be captured)."""
+    from course_lib.graphs import Graph
+
+    with pytest.raises(RuntimeError if SIMULATOR else ValueError, match="need a GPU" if SIMULATOR else "default"):
+        Graph(lambda: None, cuda.default_stream())
+
+
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
 def test_graph_replays_the_captured_launches(rng):
     """Capture runs nothing; each replay runs the captured kernels again, on the arrays' current contents."""
