@@ -30,10 +30,11 @@ length depends only on n, Hkv, hd and the GPU (never on T), and so does the merg
 chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's x is
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
 
-Measured on the H200 (decode, T = 1, float32 cache, GPU time per call, KV bytes read / time; notebook 04): at
-4096 keys 0.48 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, 13.1 us, where a plain read of
-those bytes in one kernel takes 4.7 us), 0.98 TB/s on Llama-3.2-1B shapes (32, 8, 64), 1.5 TB/s on Llama-3.1-8B
-shapes (32, 8, 128); at 16384 keys 1.3, 2.2 and 2.9 TB/s (the copy bandwidth is ~3.9 TB/s). Small layers are bound
+Measured on the H200 (decode, T = 1, float32 cache, GPU time per call launched one by one, KV bytes read / time;
+notebook 04): at 4096 keys 0.48 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, 13.1 us, where
+a plain read of those bytes in one kernel takes 4.7 us; 11.7 and 3.7 us replayed in a CUDA graph), 0.96 TB/s on
+Llama-3.2-1B shapes (32, 8, 64), 1.5 TB/s on Llama-3.1-8B shapes (32, 8, 128); at 16384 keys 1.3, 2.2 and 2.8
+TB/s (the copy bandwidth is 4.0 TB/s). Small layers are bound
 by fixed costs, not by bandwidth: timed apart at SmolLM2's 4k (4-warp blocks), flash_decode_chunks took 8.1 us and
 merge_chunks 5.3 us (an empty kernel: 1.3 us), each a chain of memory latencies. What helped: the page table
 looked up a step ahead (8B shapes at 4k 1.14 -> 1.35 TB/s), the merge loading 8 chunks at once (6.4 -> 5.3 us),
