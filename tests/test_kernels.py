@@ -326,8 +326,8 @@ class _CountingRuntime:
 
 
 def test_cached_views_follow_their_array(rng):
-    """A view is made once per array and shape, sees the array's current contents, and dies with the array: a new
-    array (even at a recycled id) gets a view of its own."""
+    """A view is made once per array and shape and sees the array's current contents; its cache entry goes when
+    the array dies, so a later array (which may reuse the id) gets a view of its own."""
     from course_lib.kernels import _VIEWS, reshaped
 
     x = dev(randn(rng, 6, 4))

@@ -34,9 +34,9 @@ Measured on the H200 (decode, T = 1, float32 cache, GPU time per call launched o
 notebook 04): at 4096 keys 0.48 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, 13.1 us, where
 a plain read of those bytes in one kernel takes 4.7 us; 11.7 and 3.7 us replayed in a CUDA graph), 0.96 TB/s on
 Llama-3.2-1B shapes (32, 8, 64), 1.5 TB/s on Llama-3.1-8B shapes (32, 8, 128); at 16384 keys 1.3, 2.2 and 2.8
-TB/s (the copy bandwidth is 4.0 TB/s). Small layers are bound
-by fixed costs, not by bandwidth: timed apart at SmolLM2's 4k (4-warp blocks), flash_decode_chunks took 8.1 us and
-merge_chunks 5.3 us (an empty kernel: 1.3 us), each a chain of memory latencies. What helped: the page table
+TB/s (the copy bandwidth is 4.0 TB/s). Small layers are bound by fixed costs, not by bandwidth: timed apart at
+SmolLM2's 4k (4-warp blocks), flash_decode_chunks took 8.1 us and merge_chunks 5.3 us (an empty kernel: 1.3 us),
+each a chain of memory latencies. What helped: the page table
 looked up a step ahead (8B shapes at 4k 1.14 -> 1.35 TB/s), the merge loading 8 chunks at once (6.4 -> 5.3 us),
 8 warps per block instead of 4 (8B shapes at 16k 2.44 -> 2.88 TB/s). Variants measured and left: 2 keys per step
 with the next step's loads in flight (double buffering), 3 or 4 blocks per SM, 2 warps per block, 1 or 2 keys per
