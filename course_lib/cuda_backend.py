@@ -148,16 +148,32 @@ class CudaBackend:
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """ids [T] int32 after the cached positions -> logits [V] of the last token, or [T, V] of every token with
         all_logits (copied to the host)."""
-        c, rt, w = self.config, self.rt, self.w
+        logits = self.forward_on_device(ids, all_logits).copy_to_host(stream=self.rt.stream)
+        return logits if all_logits else logits[0]
+
+    def forward_on_device(self, ids: np.ndarray, all_logits: bool = False):
+        """As forward, the logits left on the device: [T, V], or [1, V] of the last token."""
         T, start = len(ids), self.length
         if start + T > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} positions; {start} used + {T} new do not fit")
-        rt.begin_pass()
+        self.rt.begin_pass()
         ids_d, pos_d, slots_d, table_d = self._upload_pass(ids, start)
-        x = k_elt.embedding(w["embed"], ids_d, rt=rt)
+        logits = self.run_pass(self.rt, ids_d, pos_d, slots_d, table_d, T, start + T, all_logits)
+        self.length = start + T
+        return logits
+
+    def run_pass(self, rt, ids_d, pos_d, slots_d, table_d, T: int, max_len: int, all_logits: bool = False):
+        """The layers, through runtime rt, on inputs already on the device: ids_d, pos_d [T] int32 (token ids and
+        their positions), slots_d [T] and table_d [pages] int32 (paged cache: the cache rows of the new tokens,
+        the sequence's page table); max_len >= every position + 1. -> logits [T, V], or [1, V] of the last token.
+        Every intermediate has a name: with a recycling runtime (the paged recipe, a step plan) that name is one
+        buffer of the pass, reused by every layer."""
+        c, w = self.config, self.w
+        x = k_elt.embedding(w["embed"], ids_d, out=rt.empty((T, c.d_model), name="x"), rt=rt)
         for i, lw in enumerate(w["layers"]):
-            h = k_elt.rms_norm(x, lw["attn_norm"], c.rms_eps, rt=rt)
-            q, k, v = (self._linear(h, lw[m], lw[b]) for m, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+            h = k_elt.rms_norm(x, lw["attn_norm"], c.rms_eps, out=rt.empty((T, c.d_model), name="h"), rt=rt)
+            q, k, v = (self._linear(rt, h, lw[m], lw[b], name=m[1]) for m, b in (("wq", "bq"), ("wk", "bk"),
+                                                                               ("wv", "bv")))
             q, k, v = (reshaped(y, T, -1, c.head_dim) for y in (q, k, v))
             k_elt.rope(q, self.cos, self.sin, pos_d, rt=rt)
             k_elt.rope(k, self.cos, self.sin, pos_d, rt=rt)
@@ -165,52 +181,55 @@ class CudaBackend:
                 k_paged.write_rows(k, self.cache.k[i], slots_d, rt=rt)
                 k_paged.write_rows(v, self.cache.v[i], slots_d, rt=rt)
                 a = k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table_d, pos_d, PAGE_SIZE,
-                                            max_len=start + T, rt=rt)
+                                            max_len=max_len, out=rt.empty((T, c.n_heads, c.head_dim), name="attn"),
+                                            rt=rt)
             else:
                 self.k_cache[i] = self._grow(self.k_cache[i], k.reshape(T, c.d_kv))
                 self.v_cache[i] = self._grow(self.v_cache[i], v.reshape(T, c.d_kv))
-                S = start + T
-                a = k_attention.attention(q, self.k_cache[i].reshape(S, c.n_kv_heads, c.head_dim),
-                                          self.v_cache[i].reshape(S, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
-            x = k_elt.add(x, self._linear(reshaped(a, T, c.d_model), lw["wo"]), rt=rt)
-            h = k_elt.rms_norm(x, lw["mlp_norm"], c.rms_eps, rt=rt)
-            gate, up = self._linear(h, lw["w_gate"]), self._linear(h, lw["w_up"])
-            x = k_elt.add(x, self._linear(k_elt.silu_mul(gate, up, rt=rt), lw["w_down"]), rt=rt)
-        self.length = start + T
-        h = k_elt.rms_norm(x if all_logits else x[T - 1:], w["final_norm"], c.rms_eps, rt=rt)
+                a = k_attention.attention(q, self.k_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim),
+                                          self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
+            o = self._linear(rt, reshaped(a, T, c.d_model), lw["wo"], name="o")
+            x = k_elt.add(x, o, out=rt.empty((T, c.d_model), name="x"), rt=rt)
+            h = k_elt.rms_norm(x, lw["mlp_norm"], c.rms_eps, out=rt.empty((T, c.d_model), name="h"), rt=rt)
+            gate, up = self._linear(rt, h, lw["w_gate"], name="gate"), self._linear(rt, h, lw["w_up"], name="up")
+            act = k_elt.silu_mul(gate, up, out=rt.empty((T, c.d_ff), name="act"), rt=rt)
+            x = k_elt.add(x, self._linear(rt, act, lw["w_down"], name="down"), out=rt.empty((T, c.d_model), name="x"),
+                          rt=rt)
+        rows = T if all_logits else 1
+        h = k_elt.rms_norm(x if all_logits else x[T - 1:], w["final_norm"], c.rms_eps,
+                           out=rt.empty((rows, c.d_model), name="h_final"), rt=rt)
         if w["lm_head"] is not None:
-            logits = self._linear(h, w["lm_head"])
-        elif self.ops["logits"] == "transposed":
-            logits = self._by_rows(lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt), h,
-                                   c.vocab_size)
-        else:
-            logits = k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
-        logits = logits.copy_to_host()
-        return logits if all_logits else logits[0]
+            return self._linear(rt, h, w["lm_head"], name="logits")
+        if self.ops["logits"] == "transposed":
+            return self._by_rows(rt, lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt), h,
+                                 c.vocab_size, "logits")
+        return k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
 
-    def _by_rows(self, f, x, n_out):
-        """f(x, out) for a kernel of at most MAX_ROWS rows: called once when x has that many rows or fewer, else on
-        slices of MAX_ROWS rows of x and of an output [rows, n_out] (a row gets the same bits either way)."""
+    def _by_rows(self, rt, f, x, n_out, name):
+        """f(x, out) for a kernel of at most MAX_ROWS rows, into the buffer `name` [rows, n_out]: called once when x
+        has that many rows or fewer, else on slices of MAX_ROWS rows of x and of the output (a row gets the same
+        bits either way)."""
         step = k_narrow.MAX_ROWS
+        y = rt.empty((x.shape[0], n_out), name=name)
         if x.shape[0] <= step:
-            return f(x, None)
-        y = self.rt.empty((x.shape[0], n_out))
+            f(x, y)
+            return y
         for r in range(0, x.shape[0], step):
             f(x[r:r + step], y[r:r + step])
         return y
 
-    def _linear(self, x, weight, bias=None):
-        """x [T, K] @ weight + bias, with the chosen matmul; the bias in its own kernel unless fused. With the paged
-        cache, the narrow matmul takes the rows 16 at a time even in a long prefill (not the tiled kernel): a
-        token's result is then the same bits whether it comes alone or inside a prompt (see notebook 03). Up to 16
-        rows, one narrow matmul on the whole of x, as `linear` does (no row slices: a view per launch costs host
-        time in every decode step)."""
-        rt, fused = self.rt, self.ops["bias"] == "fused"
+    def _linear(self, rt, x, weight, bias=None, name=None):
+        """x [T, K] @ weight + bias into the buffer `name`, with the chosen matmul; the bias in its own kernel
+        unless fused. With the paged cache, the narrow matmul takes the rows 16 at a time even in a long prefill
+        (not the tiled kernel): a token's result is then the same bits whether it comes alone or inside a prompt
+        (see notebook 03)."""
+        fused = self.ops["bias"] == "fused"
         if self.ops["matmul"] == "narrow" and self.paged:
-            y = self._by_rows(lambda rows, out: k_narrow.matmul_narrow(rows, weight, bias if fused else None, out,
-                                                                       rt=rt), x, weight.shape[1])
+            y = self._by_rows(rt, lambda rows, out: k_narrow.matmul_narrow(rows, weight, bias if fused else None, out,
+                                                                           rt=rt), x, weight.shape[1], name)
         elif self.ops["matmul"] == "narrow":
-            y = k_narrow.linear(x, weight, bias if fused else None, rt=rt)
+            y = k_narrow.linear(x, weight, bias if fused else None, out=rt.empty((x.shape[0], weight.shape[1]),
+                                                                                 name=name), rt=rt)
         else:
-            y = k_matmul.matmul(x, weight, rt=rt)
+            y = k_matmul.matmul(x, weight, out=rt.empty((x.shape[0], weight.shape[1]), name=name), rt=rt)
         return y if bias is None or fused else k_matmul.add_bias(y, bias, rt=rt)

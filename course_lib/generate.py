@@ -1,18 +1,15 @@
-"""The generator: prefill the prompt, then decode one token at a time, on a backend.
+"""The generator's front door: `generate(model, prompt, ...)`, its result, its checks and its streamed text.
 
-A backend holds one sequence's state and exposes prefill(ids) -> logits [V] of the last prompt token and
-decode(id) -> logits [V] of the next position. Sampling happens here, on the host, in float64.
+The work is done by an engine (course_lib.engine) kept per model, backend and recipe.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import reference
 from .model import Model
 
 
@@ -41,67 +38,51 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
 
 
-class NumpyBackend:
-    """The reference forward pass (course_lib.reference) as a backend."""
-
-    name = "numpy"
-
-    def __init__(self, model: Model, capacity: int):
-        self.model = model
-        self.cache = reference.KVCache(model.config, capacity)
-        self.rope = reference.rope_tables(model.config, capacity)
-
-    def prefill(self, ids: list[int]) -> np.ndarray:
-        return reference.forward(self.model.weights, self.model.config, np.asarray(ids), self.cache, self.rope)
-
-    def decode(self, token: int) -> np.ndarray:
-        return reference.forward(self.model.weights, self.model.config, np.asarray([token]), self.cache, self.rope)
-
-
-def _cuda_backend(model: Model, capacity: int):
-    from .cuda_backend import CudaBackend  # imported on demand: it loads Numba's CUDA support
-
-    return CudaBackend(model, capacity)
-
-
-BACKENDS = {"numpy": NumpyBackend, "cuda": _cuda_backend}
-
-
-def _backend_class(name: str):
-    if name == "auto":
-        from .device import gpu_available
-
-        name = "cuda" if gpu_available() else "numpy"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r} (available: auto, {', '.join(BACKENDS)})")
-    return BACKENDS[name]
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_request(max_new_tokens, temperature, top_k, top_p, seed) -> None:
+    """Clear errors for bad generation settings."""
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
         raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if seed is not None and not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,
-           rng: np.random.Generator) -> int:
-    """Pick the next token. temperature 0 -> argmax (lowest id on ties); else softmax(logits / temperature),
-    restricted to the top_k most likely tokens, then to the smallest set whose probability reaches top_p."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    order = np.argsort(-z, kind="stable")
-    if top_k is not None:
-        order = order[:top_k]
-    p = np.exp(z[order] - z[order[0]])
-    p /= p.sum()
-    if top_p is not None:
-        keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1  # first index where the cumulative sum reaches top_p
-        order, p = order[:keep], p[:keep] / p[:keep].sum()
-    return int(order[rng.choice(len(order), p=p)])
+class TextStream:
+    """The text of the tokens pushed so far, handed to `callback` in pieces of whole characters as they complete.
+
+    Only the new tokens are decoded (with the previous piece's tokens as context, as vLLM's incremental
+    detokenizer does): the cost per token does not grow with the length of the output."""
+
+    def __init__(self, tokenizer, callback=None):
+        self.tokenizer, self.callback = tokenizer, callback
+        self.ids: list[int] = []
+        self.start = self.read = 0  # ids[start:read]: the context of the next piece; ids[read:]: not yet shown
+        self.emitted = ""
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        if self.callback is None:
+            return
+        before = self.tokenizer.decode(self.ids[self.start:self.read])
+        now = self.tokenizer.decode(self.ids[self.start:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            self._emit(now[len(before):])
+            self.start, self.read = self.read, len(self.ids)
+
+    def _emit(self, piece: str) -> None:
+        self.emitted += piece
+        self.callback(piece)
+
+    def close(self) -> None:
+        """The text of all the tokens; what is left of it is handed to the callback."""
+        self.text = self.tokenizer.decode(self.ids)
+        if self.callback is not None and self.text.startswith(self.emitted) and len(self.text) > len(self.emitted):
+            self._emit(self.text[len(self.emitted):])
 
 
 def prompt_ids(model: Model, prompt: str | list[int], chat: bool) -> list[int]:
@@ -125,46 +106,20 @@ def prompt_ids(model: Model, prompt: str | list[int], chat: bool) -> list[int]:
 
 def generate(model: Model, prompt: str | list[int], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None, chat: bool = False,
-             backend: str = "auto", stream=None, stop: bool = True) -> Generation:
-    """Generate up to max_new_tokens after the prompt.
+             backend="auto", recipe: str | None = None, stream=None, stop: bool = True) -> Generation:
+    """Generate up to max_new_tokens after the prompt, on the engine kept for (model, backend, recipe)
+    (course_lib.engine: the weights are uploaded at the first call only).
 
+    temperature 0 is greedy; otherwise seeded sampling, restricted by top_k and top_p (kernels.sampling gives the
+    rule); the same seed gives the same tokens in every run (None: a fresh seed). backend: "auto", "numpy",
+    "cuda" or a backend object; recipe: a name of course_lib.recipes.RECIPES (CUDA; default: the fastest).
     stream: called with each new piece of text as soon as it is complete (whole UTF-8 characters).
     stop=False ignores the model's end tokens (useful to compare long continuations).
     """
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
-    ids = prompt_ids(model, prompt, chat)
-    limit = model.config.max_seq_len
-    if len(ids) + max_new_tokens > limit:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the model's "
-                         f"context of {limit} positions")
-    rng = np.random.default_rng(seed)
-    engine = _backend_class(backend)(model, len(ids) + max_new_tokens)
-    tok = model.tokenizer
+    from .engine import engine_for
 
-    t0 = time.perf_counter()
-    logits = engine.prefill(ids)
-    token = sample(logits, temperature, top_k, top_p, rng)
-    prefill_s = time.perf_counter() - t0
-    out, steps, emitted, reason = [token], [], "", "max_new_tokens"
-    while True:
-        if stop and token in tok.stop_ids:
-            reason = "stop_token"
-            break
-        if stream is not None:
-            text = tok.decode(out)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                stream(text[len(emitted):])
-                emitted = text
-        if len(out) == max_new_tokens:
-            break
-        t = time.perf_counter()
-        token = sample(engine.decode(token), temperature, top_k, top_p, rng)
-        steps.append(time.perf_counter() - t)
-        out.append(token)
-    body = out[:-1] if reason == "stop_token" else out
-    text = tok.decode(body)
-    if stream is not None and len(text) > len(emitted):
-        stream(text[len(emitted):])
-    return Generation(ids, out, text, reason, prefill_s, sum(steps), engine.name, steps)
+    check_request(max_new_tokens, temperature, top_k, top_p, seed)
+    prompt_ids(model, prompt, chat)  # bad prompts are reported before an engine is built
+    return engine_for(model, backend, recipe).generate(
+        prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        chat=chat, stream=stream, stop=stop)

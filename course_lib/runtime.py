@@ -33,16 +33,24 @@ class FastKernel:
         self.flatteners = [_flattener(t) for t in kernel.argument_types]
         self.configs = {}  # (grid, block) -> LaunchConfig
 
-    def launch(self, grid, block, stream, args):
-        from cuda.core import LaunchConfig, launch
-
+    def flatten(self, args) -> list:
         flat = []
         for f, a in zip(self.flatteners, args, strict=True):
             f(a, flat)
+        return flat
+
+    def config(self, grid, block):
+        from cuda.core import LaunchConfig
+
         cfg = self.configs.get((grid, block))
         if cfg is None:
             cfg = self.configs[grid, block] = LaunchConfig(grid=grid, block=block, is_cooperative=self.cooperative)
-        launch(stream, cfg, self.kernel, *flat)
+        return cfg
+
+    def launch(self, grid, block, stream, args):
+        from cuda.core import launch
+
+        launch(stream, self.config(grid, block), self.kernel, *self.flatten(args))
 
 
 def _flattener(ty):
@@ -96,10 +104,13 @@ class Runtime:
     def __init__(self, fast: bool = True, reuse: bool = False):
         self.fast = fast and not SIMULATOR
         self.reuse = reuse
-        self.stream = cuda.default_stream()
+        self.stream = cuda.stream()  # a stream of our own: the default stream cannot be captured into a graph
         self._core_stream = None
         self._fast_kernels = {}
-        self._pool = {}  # call index in the pass -> device array, when reuse is on
+        self._pool = {}  # name, or call index in the pass -> device array, when reuse is on
+        self._recording: list | None = None  # launches recorded instead of run (see `record`)
+        self._scratch: dict | None = None  # per-call-site split-K scratch while recording
+        self._split_k_calls = 0
         self._staging = {}  # call index -> (pinned host buffer, event of its last copy), for to_device
         self._calls = 0
         self.launches = 0
@@ -109,19 +120,55 @@ class Runtime:
 
     def begin_pass(self):
         self._calls = 0
+        self._split_k_calls = 0
 
-    def empty(self, shape, dtype=np.float32):
-        """A device array: fresh and counted, or (reuse) the one this call got in an earlier pass."""
+    def empty(self, shape, dtype=np.float32, name: str | None = None):
+        """A device array: fresh and counted, or (reuse) the one this name, or this call, got in an earlier pass.
+
+        A name stands for one buffer of the pass, as a field of llama2.c's RunState: every call with that name
+        gets the same array (the layers of a pass use their activations one after another)."""
         if not self.reuse:
             self.allocations += 1
             return cuda.device_array(shape, dtype=dtype)
-        call, shape = self._calls, tuple(int(n) for n in np.atleast_1d(shape))
-        self._calls += 1
-        arr = self._pool.get(call)
+        key, shape = name, tuple(int(n) for n in np.atleast_1d(shape))
+        if key is None:
+            key = self._calls
+            self._calls += 1
+        arr = self._pool.get(key)
         if arr is None or arr.shape != shape or arr.dtype != np.dtype(dtype):
             self.allocations += 1
-            arr = self._pool[call] = cuda.device_array(shape, dtype=dtype)
+            arr = self._pool[key] = cuda.device_array(shape, dtype=dtype)
         return arr
+
+    def split_k_scratch(self, partial_shape, groups: int):
+        """(partial sums [S, rows, N] float32, done counters [>= groups] int32 zeros) for one split-K launch.
+
+        Launched one by one, every split-K launch of the process shares one buffer of each (narrow.partial_sums
+        and narrow.done_counters: one stream, one launch at a time). While recording a plan, each call site gets
+        its own, kept with the plan: a shared buffer may be replaced by a larger one, and a recorded launch would
+        then point at freed memory."""
+        from .kernels import narrow
+
+        if self._scratch is None:
+            return narrow.partial_sums(partial_shape), narrow.done_counters(groups)
+        site = self._split_k_calls
+        self._split_k_calls += 1
+        if site not in self._scratch:
+            self.allocations += 2
+            self._scratch[site] = (cuda.device_array(partial_shape, np.float32),
+                                   cuda.to_device(np.zeros(groups, np.int32)))
+        return self._scratch[site]
+
+    def record(self, body) -> list:
+        """Run body() with launches recorded, not run: -> [(name, kernel, grid, block, args)], in order. The
+        arrays body() gets from `empty` and `split_k_scratch` stay the recorded launches' own."""
+        self._recording, self._scratch = [], {} if self._scratch is None else self._scratch
+        self.begin_pass()
+        try:
+            body()
+            return self._recording
+        finally:
+            self._recording = None
 
     def to_device(self, array, persistent: bool = False):
         """A device copy of a host array (one transfer), in a fresh or (reuse) recycled device array; persistent
@@ -151,7 +198,11 @@ class Runtime:
         return out
 
     def launch(self, name: str, kernel, grid, block, *args):
-        """kernel[grid, block](*args), counted, profiled when a Profile is attached."""
+        """kernel[grid, block](*args), counted, profiled when a Profile is attached (recorded while `record`
+        runs)."""
+        if self._recording is not None:
+            self._recording.append((name, kernel, grid, block, args))
+            return
         self.launches += 1
         prof = self.profile
         if prof is not None:
@@ -186,6 +237,18 @@ class Runtime:
 
             self._core_stream = driver._to_core_stream(self.stream)
         return self._core_stream
+
+    def prepared(self, kernel, grid, block, args):
+        """A launch with its arguments flattened once: calling it queues kernel[grid, block](*args) on the stream
+        (through Numba's dispatcher where there is no fast path: the simulator, or fast=False)."""
+        if not self.fast:
+            return lambda: kernel[grid, block, self.stream](*args)
+        from cuda.core import launch
+
+        fk = self._fast(kernel, args)
+        stream, cfg, cufunc, flat = self._stream_core(), fk.config(_dim3(grid), _dim3(block)), fk.kernel, \
+            fk.flatten(args)
+        return lambda: launch(stream, cfg, cufunc, *flat)
 
     def synchronize(self):
         self.stream.synchronize()

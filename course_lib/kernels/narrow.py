@@ -382,13 +382,14 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
     groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
-    partial = partial_sums((slices, min(R, KERNEL_ROWS), N))
+    shape = (slices, min(R, KERNEL_ROWS), N)
+    partial, done = (partial_sums(shape), done_counters(groups)) if rt is None else rt.split_k_scratch(shape, groups)
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
     for r0 in range(0, R, KERNEL_ROWS):  # the launches run one after another on the stream: one scratch for all
         rows = slice(r0, min(R, r0 + KERNEL_ROWS))
         a_rows, out_rows = (a, out) if R <= KERNEL_ROWS else (a[rows], out[rows])
         launch(kernel_for("split_k", kind, a_rows.shape[0], bias_kind), (groups, slices), THREADS, stream, rt, a_rows,
-               weights, bias, partial, done_counters(groups), out_rows)
+               weights, bias, partial, done, out_rows)
     return out
 
 

@@ -1,75 +1,240 @@
-"""Greedy sampling: the index of the largest logit, in one block.
+"""Choosing the next token on the GPU: greedy argmax, or seeded temperature / top-k / top-p sampling, in one block.
 
-Ties go to the lowest index (as numpy.argmax). NaN does not win silently: if any logit is NaN the result is
-NO_TOKEN (-1), which is no token id, so the caller must check for it (numpy.argmax would return the index of
-the first NaN instead). If every logit is -inf the result is 0.
+The decode step ends here, so that the host never needs the 4 * V bytes of logits: the kernel writes the chosen
+id where the next step's embedding reads it, advances the position and the cache slot, and records the id in a
+history the host reads (4 bytes per token).
+
+The rule, the same in `sample` (NumPy, the twin the kernel is tested against) and in `sample_next` (the kernel):
+- temperature 0: the largest logit, lowest id on ties (as numpy.argmax);
+- otherwise weights w_i = exp((x_i - max x) / temperature) in float32, held as integers W_i = floor(w_i 2^32)
+  (so every sum below is exact and independent of the order of addition: a token lighter than 2^-32 of the
+  heaviest one is never drawn);
+- top-k keeps every token whose logit is at least the k-th largest (ties at the boundary all stay);
+- top-p then keeps the tokens whose logit is at least t, the largest threshold whose kept weight reaches
+  top_p of the total (the smallest set of most likely tokens that reaches top_p; ties all stay);
+- the draw: u in [0, 1) from a counter-based hash of (seed, position of the new token), target = floor(u Z)
+  with Z the kept total, and the token is the first id, in id order, where the running sum of kept W passes
+  the target. The same (seed, position) always gives the same token, in any run, on any backend.
+Any NaN logit gives NO_TOKEN (-1), which is no token id: the caller must check for it.
 """
 
 import math
 
 import numpy as np
-from numba import float32, int32
+from numba import float32, float64, int32, int64, uint32, uint64
 
-from course_lib.kernels import cuda, empty, launch, sized
+from course_lib.kernels import SIMULATOR, cuda, sized
+from course_lib.kernels.elementwise import FULL_MASK, block_max, block_sum, segment_sum
 
-THREADS = sized(256, 32)  # one block; a multiple of 32
-FULL_MASK = 0xFFFFFFFF
+THREADS = sized(1024, 32)  # one block; a multiple of 32
 NO_TOKEN = -1
-_NONE = 2**31 - 1  # index of a thread that saw no element
+SCALE = 2.0**32  # W_i = floor(w_i * SCALE)
+_MIX1, _MIX2, _GOLDEN = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+
+# ---- the counter-based generator (splitmix64's mixer), on the host ----
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _MIX1) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2) & _M64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """u in [0, 1) with 53 random bits, a function of (seed, position) alone."""
+    return (_mix64((_mix64(seed & _M64) + position * _GOLDEN) & _M64) >> 11) * 2.0**-53
+
+
+def sortable(x: np.ndarray) -> np.ndarray:
+    """uint32 keys in the order of the float32 values x (-inf lowest, +inf highest)."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+
+
+# ---- the NumPy twin ----
+
+def sample(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None, seed: int,
+           position: int, threads: int = THREADS) -> int:
+    """The next token by the rule at the top of this module. logits [V] float32; position: the position the new
+    token will take; threads: the kernel's block size (it fixes how the id range is cut for the walk, which
+    does not change the result)."""
+    x = np.asarray(logits, np.float32)
+    if np.isnan(x).any():
+        return NO_TOKEN
+    if temperature == 0:
+        return int(np.argmax(x))
+    keys = sortable(x)
+    z = (x - x.max()) / np.float32(temperature)
+    w = (np.exp(z.astype(np.float64)).astype(np.float32).astype(np.float64) * SCALE).astype(np.uint64)
+    keep = np.ones(x.size, bool)
+    if top_k is not None and top_k < x.size:
+        keep = keys >= np.partition(keys, x.size - top_k)[x.size - top_k]
+    if top_p is not None and top_p < 1:
+        order = np.argsort(~keys[keep], kind="stable")  # kept tokens, largest logit first
+        kept_keys, mass = keys[keep][order], np.cumsum(w[keep][order])
+        need = top_p * float(mass[-1])
+        first = int(np.argmax(mass.astype(np.float64) >= need))  # the first prefix that reaches top_p
+        keep &= keys >= kept_keys[first]  # ... and every token tied with its last one
+    kept = np.where(keep, w, np.uint64(0))
+    total = int(kept.sum())
+    target = min(int(uniform(seed, position) * float(total)), total - 1)
+    return int(np.argmax(np.cumsum(kept) > target))
+
+
+# ---- device functions ----
+
+@cuda.jit(device=True)
+def sortable_key(x):
+    bits = uint32(cuda.libdevice.float_as_int(x))
+    return ~bits if bits >> uint32(31) else bits | uint32(0x80000000)
+
+
+if SIMULATOR:  # NumPy's uint64 scalars warn on the wrap-around the mixer relies on: the host's Python integers
+    @cuda.jit(device=True)
+    def uniform_on_device(seed, position):
+        return float64(uniform(int(seed), int(position)))
+else:
+    @cuda.jit(device=True)
+    def mix64(z):
+        z = (z ^ (z >> uint64(30))) * uint64(_MIX1)
+        z = (z ^ (z >> uint64(27))) * uint64(_MIX2)
+        return z ^ (z >> uint64(31))
+
+    @cuda.jit(device=True)
+    def uniform_on_device(seed, position):
+        """`uniform` on the device: uint64 arithmetic wraps mod 2^64 as the host's masks do."""
+        h = mix64(mix64(uint64(seed)) + uint64(position) * uint64(_GOLDEN))
+        return float64(h >> uint64(11)) * float64(2.0**-53)
 
 
 @cuda.jit(device=True)
-def better(v, i, other_v, other_i):
-    """Does (other_v, other_i) beat (v, i)? Larger value, or the same value at a lower index."""
-    return other_v > v or (other_v == v and other_i < i)
+def block_sum_i64(v, scratch):
+    """The sum of int64 v over the block (exact); every thread gets it. scratch: shared int64[32]."""
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    v = segment_sum(v, 32)
+    if lane == 0:
+        scratch[warp] = v
+    cuda.syncthreads()
+    v = scratch[lane] if lane < cuda.blockDim.x // 32 else int64(0)
+    v = segment_sum(v, 32)
+    cuda.syncthreads()
+    return v
 
 
 @cuda.jit(device=True)
-def warp_argmax(v, i, nan):
-    """(value, index, any NaN) of the warp's best candidate, in lane 0 (shfl_down_sync tree)."""
-    offset = 16
-    while offset > 0:
-        other_v = cuda.shfl_down_sync(FULL_MASK, v, offset)
-        other_i = cuda.shfl_down_sync(FULL_MASK, i, offset)
-        nan |= cuda.shfl_down_sync(FULL_MASK, nan, offset)
-        if better(v, i, other_v, other_i):
-            v, i = other_v, other_i
-        offset //= 2
-    return v, i, nan
+def exclusive_scan_i64(v, scratch):
+    """(sum of v over the threads before this one, sum over the block), int64, exact. scratch: shared int64[32]."""
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    incl = v
+    offset = 1
+    while offset < 32:  # inclusive scan within the warp
+        other = cuda.shfl_up_sync(FULL_MASK, incl, offset)
+        if lane >= offset:
+            incl += other
+        offset *= 2
+    if lane == 31:
+        scratch[warp] = incl
+    cuda.syncthreads()
+    before, total = int64(0), int64(0)
+    for w in range(cuda.blockDim.x // 32):
+        if w < warp:
+            before += scratch[w]
+        total += scratch[w]
+    cuda.syncthreads()
+    return before + incl - v, total
 
 
 @cuda.jit
-def argmax_block(logits, out):
-    """out[0] = argmax(logits), or NO_TOKEN if a logit is NaN; launch with one block of THREADS threads."""
-    best_v = cuda.shared.array(32, dtype=float32)
-    best_i = cuda.shared.array(32, dtype=int32)
-    any_nan = cuda.shared.array(32, dtype=int32)
-    tid = cuda.threadIdx.x
-    lane, warp = tid % 32, tid // 32
-    v, i, nan = float32(-math.inf), int32(_NONE), int32(0)
-    for j in range(tid, logits.size, THREADS):  # increasing j: only a strictly larger value replaces
-        x = logits[j]
+def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
+                history):
+    """Choose the token after position[0] from logits [V] float32 (the rule at the top), then advance the step:
+    history[p + 1] = token[0] = the choice, position[0] = p + 1, slot[0] = its cache row (-1 past the page table).
+
+    weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
+    <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]. One block of THREADS."""
+    f_scratch = cuda.shared.array(32, dtype=float32)
+    i_scratch = cuda.shared.array(32, dtype=int64)
+    choice = cuda.shared.array(1, dtype=int32)
+    tid, V = cuda.threadIdx.x, logits.shape[0]
+    p = position[0]
+    temperature, top_p = temperature_top_p[0], temperature_top_p[1]
+    top_k, seed = top_k_seed[0], top_k_seed[1]
+
+    m, nan = float32(-math.inf), float32(0)
+    for i in range(tid, V, THREADS):
+        x = logits[i]
         if x != x:
-            nan = int32(1)
-        elif x > v or i == _NONE:
-            v, i = x, int32(j)
-    v, i, nan = warp_argmax(v, i, nan)
-    if lane == 0:
-        best_v[warp], best_i[warp], any_nan[warp] = v, i, nan
+            nan = float32(1)
+        else:
+            m = max(m, x)
+    m = block_max(m, f_scratch)
+    nan = block_sum(nan, f_scratch)
+    if tid == 0:
+        choice[0] = NO_TOKEN
+    if nan == 0 and temperature == 0:  # the lowest id of the largest logit
+        best = float32(-math.inf)
+        for i in range(tid, V, THREADS):
+            if logits[i] == m:
+                best = max(best, float32(-i))
+                break
+        best = block_max(best, f_scratch)
+        if tid == 0:
+            choice[0] = int32(-best) if best > float32(-math.inf) else int32(0)  # all -inf: id 0
+    elif nan == 0:
+        for i in range(tid, V, THREADS):
+            z = (logits[i] - m) / float32(temperature)
+            weights[i] = uint64(float64(float32(math.exp(z))) * SCALE)
+        # top-k: the largest key t with at least top_k keys >= t, bit by bit from the top
+        low = uint32(0)
+        if 0 < top_k < V:
+            for b in range(31, -1, -1):
+                t = low | (uint32(1) << uint32(b))
+                count = float32(0)
+                for i in range(tid, V, THREADS):
+                    if sortable_key(logits[i]) >= t:
+                        count += float32(1)
+                if block_sum(count, f_scratch) >= float32(top_k):
+                    low = t
+        # top-p: the largest key t >= low whose kept weight reaches top_p of the total
+        if top_p < 1:
+            total = int64(0)
+            for i in range(tid, V, THREADS):
+                if sortable_key(logits[i]) >= low:
+                    total += int64(weights[i])
+            need = top_p * float64(block_sum_i64(total, i_scratch))
+            t_p = uint32(0)  # the largest t whose kept weight (keys >= max(t, low)) reaches `need`
+            for b in range(31, -1, -1):
+                t = t_p | (uint32(1) << uint32(b))
+                mass = int64(0)
+                for i in range(tid, V, THREADS):
+                    if sortable_key(logits[i]) >= max(t, low):
+                        mass += int64(weights[i])
+                if float64(block_sum_i64(mass, i_scratch)) >= need:
+                    t_p = t
+            low = max(t_p, low)
+        # the draw: thread j owns the ids [j per, (j + 1) per), walked in id order by the thread holding the target
+        per = (V + THREADS - 1) // THREADS
+        lo, hi = min(tid * per, V), min(tid * per + per, V)
+        mine = int64(0)
+        for i in range(lo, hi):
+            if sortable_key(logits[i]) >= low:
+                mine += int64(weights[i])
+        before, total = exclusive_scan_i64(mine, i_scratch)
+        target = min(int64(uniform_on_device(seed, p + 1) * float64(total)), total - 1)
+        if before <= target < before + mine:
+            run = before
+            for i in range(lo, hi):
+                if sortable_key(logits[i]) >= low:
+                    run += int64(weights[i])
+                    if run > target:
+                        choice[0] = int32(i)
+                        break
     cuda.syncthreads()
-    if warp == 0:
-        n_warps = THREADS // 32
-        v = best_v[lane] if lane < n_warps else float32(-math.inf)
-        i = best_i[lane] if lane < n_warps else int32(_NONE)
-        nan = any_nan[lane] if lane < n_warps else int32(0)
-        v, i, nan = warp_argmax(v, i, nan)
-        if lane == 0:
-            out[0] = NO_TOKEN if nan else i
-
-
-def argmax(logits, out=None, stream=0, rt=None):
-    """logits [V] float32 -> out [1] int32: the lowest index of the largest logit; NO_TOKEN (-1) if any is NaN.
-    Launches on stream, or through rt (a course_lib.runtime.Runtime) when given."""
-    out = empty(1, np.int32, stream, rt) if out is None else out
-    launch(argmax_block, 1, THREADS, stream, rt, logits, out)
-    return out
+    if tid == 0:
+        tok, nxt = choice[0], p + 1
+        history[nxt] = tok
+        token[0] = tok
+        position[0] = nxt
+        slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size if nxt < page_table.shape[0] * page_size \
+            else -1

@@ -1,0 +1,58 @@
+"""Recipes: the course's progression, one named way of running a decode step per notebook, listed in one place.
+
+A recipe chooses a kernel for each stage of a layer (`cuda_backend.OP_CHOICES`) and how the host drives a step:
+- "launches": the host launches every kernel of every step from Python and samples on the host from the logits
+  it copies back (notebooks 01 to 04);
+- "plan": the step recorded once (course_lib.plan), its launches replayed with pre-flattened arguments, the token,
+  position and sampling on the GPU (notebook 06);
+- "graph": the same plan captured as a CUDA graph and replayed by one call per `steps_per_launch` tokens.
+The notebooks, `bench`, the command line and the tests all take recipes from RECIPES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cuda_backend import BASELINE, NARROW, PAGED
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    notebook: str  # where the recipe is introduced
+    summary: str
+    ops: dict = field(hash=False)  # a kernel choice per stage (cuda_backend.OP_CHOICES)
+    replay: str = "launches"  # "launches", "plan" or "graph"
+    steps_per_launch: int = 1  # decode steps per graph launch
+
+    def check(self, gpu: bool) -> None:
+        """Requirements, checked once when an engine is built: a graph needs a GPU."""
+        if self.replay == "graph" and not gpu:
+            raise ValueError(f"recipe {self.name!r} replays CUDA graphs, which need a GPU (the simulator has none): "
+                             "use recipe 'plan' there")
+
+
+RECIPES = {r.name: r for r in (
+    Recipe("baseline", "01", "training-style kernels: 64x64-tile matmuls, a cache grown by copies, a separate bias "
+           "kernel, logits through a transpose", BASELINE),
+    Recipe("narrow", "02", "split-K matmuls for a few rows, fused bias, logits read from the table in place", NARROW),
+    Recipe("paged", "03, 04", "a paged cache written in place, flash-decoding attention", PAGED),
+    Recipe("plan", "06", "the paged step recorded once: buffers by name, launches with pre-flattened arguments, "
+           "token, position and sampling on the GPU", PAGED, replay="plan"),
+    Recipe("graph", "06", "the step plan replayed as one CUDA graph per token", PAGED, replay="graph"),
+    Recipe("graph8", "06", "the step plan, eight tokens per CUDA graph launch", PAGED, replay="graph",
+           steps_per_launch=8),
+)}
+
+
+def default_recipe(gpu: bool) -> str:
+    """The fastest recipe verified on this kind of machine: a graph replay on a GPU; in the simulator (no graphs),
+    the step plan launched kernel by kernel."""
+    return "graph" if gpu else "plan"
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r} (recipes: {', '.join(RECIPES)})") from None
