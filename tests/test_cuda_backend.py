@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from course_lib import generate, reference
+from course_lib import Engine, generate, reference
 from course_lib.cuda_backend import NARROW, PAGED, CudaBackend
-from course_lib.generate import BACKENDS, sample
 from course_lib.kernels import SIMULATOR
+from course_lib.kernels.sampling import sample
 from course_lib.profiler import _without_holds, profile_decode
 from course_lib.weights import round_to_bf16
 
@@ -28,13 +28,6 @@ def as_computed(model, weights):
 def model(request):
     """Tiny Qwen2 flavour (QKV bias, untied head) in the simulator; the real SmolLM2 on a GPU."""
     return request.getfixturevalue("tiny_qwen" if SIMULATOR else "smollm")
-
-
-@pytest.fixture
-def cuda_backend(monkeypatch):
-    def use(weights, ops=None):
-        monkeypatch.setitem(BACKENDS, "cuda", lambda m, capacity: CudaBackend(m, capacity, weights=weights, ops=ops))
-    return use
 
 
 @pytest.mark.parametrize("ops", [None, NARROW, PAGED], ids=["baseline", "narrow", "paged"])
@@ -56,24 +49,28 @@ def test_logits_match_reference(request, model, weights, ops):
         assert np.abs(ours - ref).max() <= 1e-3 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("ops", [None, NARROW], ids=["baseline", "narrow"])
+def cuda_engine(model, weights, recipe):
+    return Engine(model, "cuda", recipe=recipe, weights=weights, capacity=128)
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "narrow", "plan"])
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
-def test_greedy_tokens_match_reference(model, weights, ops, cuda_backend):
-    if SIMULATOR and ops is not None and weights == "bf16":
+def test_greedy_tokens_match_reference(model, weights, recipe):
+    if SIMULATOR and recipe != "baseline" and weights == "bf16":
         pytest.skip("simulator time: the narrow kernels' bf16 path is covered by test_logits_match_reference")
-    cuda_backend(weights, ops)
-    n = N_TOKENS[weights] if ops is None or not SIMULATOR else 6
+    n = N_TOKENS[weights] if recipe == "baseline" or not SIMULATOR else 6
     kw = dict(max_new_tokens=n, stop=False)
     prompt = "The capital of France is"
     expected = generate(as_computed(model, weights), prompt, backend="numpy", **kw)
-    assert generate(model, prompt, backend="cuda", **kw).token_ids == expected.token_ids
+    assert cuda_engine(model, weights, recipe).generate(prompt, **kw).token_ids == expected.token_ids
 
 
-def test_seeded_sampling_matches_reference(model, cuda_backend):
-    cuda_backend("f32")
+@pytest.mark.parametrize("recipe", ["baseline", "plan"])
+def test_seeded_sampling_matches_reference(model, recipe):
+    """The same (seed, position) gives the same token: the host's sampler (baseline) and the GPU's (plan)."""
     kw = dict(max_new_tokens=N_TOKENS["seeded"], stop=False, temperature=0.8, top_p=0.95, seed=11)
     expected = generate(model, "Once upon a time", backend="numpy", **kw)
-    assert generate(model, "Once upon a time", backend="cuda", **kw).token_ids == expected.token_ids
+    assert cuda_engine(model, "f32", recipe).generate("Once upon a time", **kw).token_ids == expected.token_ids
 
 
 def test_baseline_profile_counts(tiny):
@@ -141,15 +138,14 @@ def test_cache_equals_no_cache(request, temperature):
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_NO_CACHE
     cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=PAGED) for _ in range(2))
-    rng_cached, rng_fresh = np.random.default_rng(7), np.random.default_rng(7)
     ids = list(prompt)
     logits = cached.prefill(ids)
     for _ in range(N_NO_CACHE):
         fresh.reset()
         again = fresh.prefill(ids)
         np.testing.assert_array_equal(logits.view(np.uint32), again.view(np.uint32))
-        token = sample(logits, temperature, None, 0.95 if temperature else None, rng_cached)
-        assert token == sample(again, temperature, None, 0.95 if temperature else None, rng_fresh)
+        token = sample(logits, temperature, None, 0.95 if temperature else None, seed=7, position=len(ids))
+        assert token == sample(again, temperature, None, 0.95 if temperature else None, seed=7, position=len(ids))
         ids.append(token)
         if len(ids) < capacity:
             logits = cached.decode(token)
@@ -169,10 +165,9 @@ def test_cache_equals_one_full_prefill(request, temperature):
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_FULL_PREFILL
     cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=PAGED) for _ in range(2))
-    rng = np.random.default_rng(11)
     ids, steps = list(prompt), [cached.prefill(prompt)]
     while len(ids) < capacity:
-        ids.append(sample(steps[-1], temperature, None, 0.95 if temperature else None, rng))
+        ids.append(sample(steps[-1], temperature, None, 0.95 if temperature else None, seed=11, position=len(ids)))
         if len(ids) < capacity:
             steps.append(cached.decode(ids[-1]))
     rows = fresh.prefill(ids[:-1], all_logits=True)[len(prompt) - 1:]

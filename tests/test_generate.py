@@ -6,18 +6,21 @@ import pytest
 import course_lib
 from course_lib import generate
 from course_lib.__main__ import main
-from course_lib.generate import BACKENDS, sample
+from course_lib.kernels.sampling import sample
 from course_lib.model import save_hf_dir
 
 
 class Scripted:
-    """A backend that makes the model 'say' a fixed sequence of token ids."""
+    """A backend that makes the model 'say' a fixed sequence of token ids (any object with the engine's backend
+    interface can drive generate)."""
 
     name = "scripted"
-    script: list[int] = []
 
-    def __init__(self, model, capacity):
-        self.vocab, self.i = model.config.vocab_size, 0
+    def __init__(self, model, script):
+        self.vocab, self.script, self.capacity = model.config.vocab_size, script, model.config.max_seq_len
+
+    def reset(self):
+        self.i = 0
 
     def _next(self):
         logits = np.zeros(self.vocab, np.float32)
@@ -32,29 +35,36 @@ class Scripted:
         return self._next()
 
 
-@pytest.fixture
-def scripted(monkeypatch):
-    monkeypatch.setitem(BACKENDS, "scripted", Scripted)
-    return Scripted
-
-
 def test_greedy_is_argmax_lowest_id_on_ties():
     logits = np.array([0.0, 3.0, 1.0, 3.0], np.float32)
-    assert sample(logits, 0.0, None, None, np.random.default_rng(0)) == 1
+    assert sample(logits, 0.0, None, None, seed=0, position=0) == 1
+
+
+def draws(logits, n, temperature=1.0, top_k=None, top_p=None, seed=1):
+    """n draws of the sampler, one per position (the generator is keyed by (seed, position))."""
+    return np.array([sample(logits, temperature, top_k, top_p, seed, position) for position in range(n)])
 
 
 def test_sampling_distribution_and_filters():
-    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    rng = np.random.default_rng(1)
-    draws = np.array([sample(logits, 1.0, None, None, rng) for _ in range(4000)])
-    freq = np.bincount(draws, minlength=4) / len(draws)
-    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
-    assert set(sample(logits, 1.0, 2, None, rng) for _ in range(300)) == {0, 1}  # top-k keeps 2 tokens
-    assert set(sample(logits, 1.0, None, 0.75, rng) for _ in range(300)) == {0, 1}  # 0.5 + 0.3 reaches 0.75
-    assert set(sample(logits, 1.0, None, 0.5, rng) for _ in range(100)) == {0}  # 0.5 alone reaches 0.5
-    assert set(sample(logits, 1.0, 1, None, rng) for _ in range(50)) == {0}  # top_k=1 is greedy
-    cold = np.array([sample(logits, 0.2, None, None, rng) for _ in range(500)])
-    assert np.mean(cold == 0) > 0.85  # a low temperature sharpens the distribution
+    """On fixed logits, the frequencies of 20,000 draws match the softmax (chi-square, 3 degrees of freedom: 16.27
+    is exceeded with probability 0.001 by a correct sampler), and top-k / top-p never pick outside their set."""
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(p).astype(np.float32)
+    n = 20_000
+    counts = np.bincount(draws(logits, n), minlength=4)
+    assert ((counts - n * p) ** 2 / (n * p)).sum() < 16.27, counts
+    assert set(draws(logits, 300, top_k=2)) == {0, 1}  # top-k keeps 2 tokens
+    assert set(draws(logits, 300, top_p=0.75)) == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert set(draws(logits, 100, top_p=0.5)) == {0}  # 0.5 alone reaches 0.5
+    assert set(draws(logits, 50, top_k=1)) == {0}  # top_k=1 is greedy
+    assert np.mean(draws(logits, 500, temperature=0.2) == 0) > 0.85  # a low temperature sharpens the distribution
+
+
+def test_top_k_and_top_p_keep_ties_together():
+    logits = np.log(np.array([0.4, 0.2, 0.2, 0.2])).astype(np.float32)
+    assert set(draws(logits, 400, top_k=2)) == {0, 1, 2, 3}  # the 2nd largest is tied three ways: all stay
+    assert set(draws(logits, 400, top_p=0.5)) == {0, 1, 2, 3}  # 0.4 + 0.2 reaches 0.5, and its ties come along
+    assert sample(np.array([1.0, np.nan], np.float32), 1.0, None, None, 0, 0) == -1  # NaN: no token
 
 
 def test_seeded_sampling_is_reproducible(tiny):
@@ -64,22 +74,22 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert a.token_ids != generate(tiny, "Hello", seed=4, **kw).token_ids
 
 
-def test_stops_on_end_token_and_excludes_it_from_text(tiny, scripted):
+def test_stops_on_end_token_and_excludes_it_from_text(tiny):
     tok = tiny.tokenizer
-    scripted.script = tok.encode("ok") + [tok.eos_id] + tok.encode("never")
-    out = generate(tiny, "Hi", max_new_tokens=10, backend="scripted")
+    scripted = Scripted(tiny, tok.encode("ok") + [tok.eos_id] + tok.encode("never"))
+    out = generate(tiny, "Hi", max_new_tokens=10, backend=scripted)
     assert out.stop_reason == "stop_token"
     assert out.token_ids == tok.encode("ok") + [tok.eos_id]
     assert out.text == "ok"
-    full = generate(tiny, "Hi", max_new_tokens=6, backend="scripted", stop=False)
+    full = generate(tiny, "Hi", max_new_tokens=6, backend=scripted, stop=False)
     assert full.stop_reason == "max_new_tokens" and len(full.token_ids) == 6
 
 
-def test_streaming_emits_whole_characters(tiny, scripted):
+def test_streaming_emits_whole_characters(tiny):
     text = "héllo 🙂 wörld"
-    scripted.script = tiny.tokenizer.encode(text) + [tiny.tokenizer.eos_id]
+    scripted = Scripted(tiny, tiny.tokenizer.encode(text) + [tiny.tokenizer.eos_id])
     pieces = []
-    out = generate(tiny, "Hi", max_new_tokens=40, backend="scripted", stream=pieces.append)
+    out = generate(tiny, "Hi", max_new_tokens=40, backend=scripted, stream=pieces.append)
     assert "".join(pieces) == out.text == text
     assert all("\ufffd" not in p for p in pieces)
 

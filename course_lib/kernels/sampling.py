@@ -185,6 +185,7 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
         for i in range(tid, V, THREADS):
             z = (logits[i] - m) / float32(temperature)
             weights[i] = uint64(float64(float32(math.exp(z))) * SCALE)
+        cuda.syncthreads()  # the draw reads weights other threads wrote
         # top-k: the largest key t with at least top_k keys >= t, bit by bit from the top
         low = uint32(0)
         if 0 < top_k < V:
