@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .recipes import RECIPES
+
 
 def _generate(args) -> int:
     from . import device, generate, load_model
@@ -13,7 +15,7 @@ def _generate(args) -> int:
     model = load_model(args.model)
     out = generate(model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, backend=args.backend,
-                   stream=lambda piece: print(piece, end="", flush=True))
+                   recipe=args.recipe, stream=lambda piece: print(piece, end="", flush=True))
     print()
     print(f"[{len(out.token_ids)} tokens, {out.backend} backend: {out.tokens_per_s:.1f} tokens/s overall, "
           f"decode {out.decode_tokens_per_s:.1f} tokens/s, prefill of {len(out.prompt_ids)} tokens "
@@ -45,10 +47,19 @@ def _bench(args) -> int:
     device.announce()
     if not device.gpu_available():
         raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")
-    from .bench import run_bench
+    import json
+
+    from .bench import format_bench, run_bench
 
     model = load_model(args.model)
-    print(run_bench(model, args.weights.split(","), args.launch.split(","), args.context, args.steps))
+    recipes = None if args.recipes == "all" else args.recipes.split(",")
+    result = run_bench(model, recipes, args.weights, args.context, args.steps, peers=not args.no_peers,
+                       progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
+    print(format_bench(result))
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"saved to {args.save}")
     return 0
 
 
@@ -64,17 +75,22 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--backend", default="auto", help="auto, numpy or cuda")
+    g.add_argument("--backend", default="auto", help="auto (the GPU if there is one), numpy or cuda")
+    g.add_argument("--recipe", default=None, choices=list(RECIPES),
+                   help="CUDA recipe (default: the fastest verified here). " + "; ".join(
+                       f"{r.name} (notebook {r.notebook}): {r.summary}" for r in RECIPES.values()))
     g.set_defaults(run=_generate)
     i = sub.add_parser("info", help="mode (GPU or not), model config, parameters and bytes per token")
     i.add_argument("--model", default="SmolLM2-135M-Instruct")
     i.set_defaults(run=_info)
     b = sub.add_parser("bench", help="decode speed on the GPU against the bandwidth bound")
     b.add_argument("--model", default="SmolLM2-135M-Instruct")
-    b.add_argument("--weights", default="bf16,f32", help="comma-separated: bf16, f32")
-    b.add_argument("--launch", default="fast,dispatcher", help="comma-separated: fast, dispatcher")
+    b.add_argument("--recipes", default="all", help=f"comma-separated, or all: {', '.join(RECIPES)}")
+    b.add_argument("--weights", default="bf16", choices=["bf16", "f32"])
     b.add_argument("--context", type=int, default=64, help="prompt length before the timed decode steps")
-    b.add_argument("--steps", type=int, default=50, help="decode steps timed")
+    b.add_argument("--steps", type=int, default=200, help="decode steps timed")
+    b.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
+    b.add_argument("--save", metavar="FILE.json", help="keep the results (for data/)")
     b.set_defaults(run=_bench)
     args = p.parse_args(argv)
     try:

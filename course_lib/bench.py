@@ -288,29 +288,132 @@ def measure_launch_overhead(n: int = 2000) -> dict:
     return out
 
 
-def run_bench(model, weights=("bf16", "f32"), launches=("fast", "dispatcher"), context=64, steps=50) -> str:
-    """The `bench` command's report: bandwidth, bound, launch cost, then one row per step of the course's
-    progression (cuda_backend.STEPS), weight dtype and launch path, with a check that the text is unchanged."""
-    from .cuda_backend import STEPS
+def bound_bandwidth(n_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """The bound of every share in `bench`, defined once: bytes/s of one streaming read of n_bytes of random data
+    (copy.read, 16-byte loads, the median of `repeats`, timed with CUDA events): the fastest way we know to bring
+    the weights in."""
+    src = cuda.to_device(np.random.default_rng(0).standard_normal(n_bytes // 4, dtype=np.float32))
+    out = k_copy.read(src)
+    return n_bytes / _median_seconds(lambda: k_copy.read(src, out=out), repeats)
+
+
+def _random_prompt(config, n: int) -> list[int]:
+    return [int(i) for i in np.random.default_rng(1).integers(0, config.vocab_size, n)]
+
+
+def _plan_step_costs(plan, graph: bool, position: int, n: int = 10) -> tuple[float, float]:
+    """(GPU ms, host ms) per replayed step: the GPU held busy by a `hold` kernel while the host queues n steps (so
+    no step waits for the host), events around the n steps."""
+    plan.stage(position, n + 1, 0.0, None, None, 0)
+    stream = plan.rt.stream
+    k_copy.hold[1, 1, stream](200_000 if not graph else 20_000)
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        plan.replay(1, graph)
+    host_ms = (time.perf_counter() - t0) * 1e3 / n
+    end.record(stream)
+    end.synchronize()
+    return cuda.event_elapsed_time(start, end) / n, host_ms
+
+
+def bench_recipe(model, name: str, bandwidth: float, context: int = 64, steps: int = 200,
+                 weights: str = "bf16") -> dict:
+    """One row of the progression: recipe `name` decoding `steps` greedy tokens after a random prompt of `context`
+    tokens. tokens/s from the generator itself (a warm engine: compilation and capture done); GPU and host time
+    per step, kernels per step; the share of the bound at the middle context."""
+    from .engine import Engine
+    from .recipes import get_recipe
+
+    recipe, c = get_recipe(name), model.config
+    engine = Engine(model, "cuda", recipe=name, capacity=context + steps + 32, weights=weights)
+    ids = _random_prompt(c, context)
+    engine.generate(ids, max_new_tokens=4, stop=False)  # warm-up: compile, record, capture
+    out = engine.generate(ids, max_new_tokens=steps, stop=False)
+    if engine.plan is None:
+        step = profile_decode(engine.backend, out.token_ids[-1], queued=True)
+        gpu_ms, host_ms, kernels = step.gpu_ms, time_decode(engine.backend, out.token_ids[-1], 5), step.launches
+    else:
+        gpu_ms, host_ms = _plan_step_costs(engine.plan, recipe.replay == "graph", context)
+        kernels = engine.plan.launches
+    bound = accounting.tokens_per_s_bound(c, bandwidth, context + steps // 2, 2 if weights == "bf16" else 4)
+    return {"recipe": name, "notebook": recipe.notebook, "weights": weights, "tokens_per_s": out.decode_tokens_per_s,
+            "ms_per_token": 1e3 / out.decode_tokens_per_s, "gpu_ms_per_token": gpu_ms, "host_ms_per_token": host_ms,
+            "kernels_per_token": kernels, "host_launches_per_token": kernels if recipe.replay != "graph"
+            else 1 / recipe.steps_per_launch, "bound_tokens_per_s": bound,
+            "percent_of_bound": 100 * out.decode_tokens_per_s / bound}
+
+
+def reference_tokens(model, weights: str, n_tokens: int, prompt: str) -> list[int]:
+    """The NumPy reference's greedy tokens, on the weights as the GPU stores them (rounded to bf16 for "bf16")."""
+    import dataclasses
+
+    from .engine import Engine
+    from .weights import round_to_bf16
+
+    ref = model if weights == "f32" else dataclasses.replace(model, weights=round_to_bf16(model.weights))
+    return Engine(ref, "numpy").generate(prompt, max_new_tokens=n_tokens, stop=False).token_ids
+
+
+def recipe_tokens(model, name: str, weights: str, n_tokens: int, prompt: str) -> list[int]:
+    from .engine import Engine
+
+    return Engine(model, "cuda", recipe=name, weights=weights, capacity=256).generate(
+        prompt, max_new_tokens=n_tokens, stop=False).token_ids
+
+
+def run_bench(model, recipes=None, weights: str = "bf16", context: int = 64, steps: int = 200, peers: bool = True,
+              check_tokens: int = 32, prompt: str = "The capital of France is", progress=None) -> dict:
+    """The `bench` command: the bound, then every recipe of the progression (recipes.RECIPES) with its tokens/s,
+    GPU and host time per token, kernels per token, share of the bound and a same-text check against the NumPy
+    reference, then the PyTorch peers of the same shapes in the same run when PyTorch sees the GPU.
+    -> {"bound": ..., "rows": [...], "peers": {...}, ...}; `format_bench` prints it."""
+    from .recipes import RECIPES
 
     c = model.config
-    measured = measure_bandwidth()
-    bandwidth = max(measured.values())
-    lines = [f"model {c.name}: {c.n_params() / 1e6:.1f}M parameters, context {context} + {steps} decode steps",
-             "copy bandwidth (read + write): " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in measured.items())]
-    for w in weights:
-        wb = 2 if w == "bf16" else 4
-        bound = accounting.tokens_per_s_bound(c, bandwidth, context, wb)
-        lines.append(f"bound with {w} weights: {bound:,.0f} tokens/s "
-                     f"({accounting.decode_cost(c, context, wb).bytes / 1e6:.1f} MB per token)")
-    overhead = measure_launch_overhead()
-    lines.append("launch cost from Python: " + ", ".join(f"{k} {v:.1f} us" for k, v in overhead.items()))
-    rows = []
-    for label, ops in STEPS.items():
-        for w in weights:
-            same = same_text(model, w, ops)
-            for launch in launches:
-                row = bench_decode(model, bandwidth, w, context, steps, launch == "fast", ops, label)
-                rows.append(row | {"same_text": same})
-    lines.append(format_rows(rows))
+    names = list(RECIPES) if recipes is None else list(recipes)
+    say = progress or (lambda msg: None)
+    say("measuring the read bandwidth")
+    result = {"model": c.name, "params": c.n_params(), "context": context, "steps": steps, "weights": weights,
+              "gpu": cuda.get_current_device().name.decode() if isinstance(cuda.get_current_device().name, bytes)
+              else str(cuda.get_current_device().name), "date": time.strftime("%Y-%m-%d"),
+              "read_bandwidth": bound_bandwidth(), "copy_bandwidth": max(measure_bandwidth().values())}
+    say("reference tokens (NumPy)")
+    expected = reference_tokens(model, weights, check_tokens, prompt)
+    result["rows"] = []
+    for name in names:
+        say(f"recipe {name}")
+        row = bench_recipe(model, name, result["read_bandwidth"], context, steps, weights)
+        row["same_text"] = recipe_tokens(model, name, weights, check_tokens, prompt) == expected
+        result["rows"].append(row)
+    torch = torch_cuda() if peers else None
+    if torch is not None:
+        from . import peers as torch_peers
+
+        say("PyTorch peers (torch.compile takes a minute)")
+        result["peers"] = torch_peers.tokens_per_s(torch, c, steps=steps, context=context,
+                                                   max_len=context + steps + 32)
+    result["bound_tokens_per_s"] = accounting.tokens_per_s_bound(c, result["read_bandwidth"], context + steps // 2,
+                                                                 2 if weights == "bf16" else 4)
+    return result
+
+
+def format_bench(r: dict) -> str:
+    lines = [f"{r['model']} ({r['params'] / 1e6:.1f}M parameters, {r['weights']} weights) on {r['gpu']}: "
+             f"greedy decode of {r['steps']} tokens after {r['context']}",
+             f"bound: read bandwidth {r['read_bandwidth'] / 1e12:.2f} TB/s (one streaming read of 1 GiB; copy "
+             f"{r['copy_bandwidth'] / 1e12:.2f} TB/s read + write) -> {r['bound_tokens_per_s']:,.0f} tokens/s",
+             f"{'recipe':<10}{'nb':<8}{'tok/s':>9}{'ms/tok':>9}{'GPU ms':>9}{'host ms':>9}{'kernels':>9}"
+             f"{'launches':>10}{'% bound':>9}  same text"]
+    for row in r["rows"]:
+        lines.append(f"{row['recipe']:<10}{row['notebook']:<8}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>9.3f}"
+                     f"{row['gpu_ms_per_token']:>9.3f}{row['host_ms_per_token']:>9.3f}{row['kernels_per_token']:>9}"
+                     f"{row['host_launches_per_token']:>10.3g}{row['percent_of_bound']:>8.2f}%  "
+                     f"{'yes' if row['same_text'] else 'NO'}")
+    for mode, tps in r.get("peers", {}).items():
+        lines.append(f"{'torch ' + mode:<18}{tps:>9.1f}{1e3 / tps:>9.3f}{'':>37}"
+                     f"{100 * tps / r['bound_tokens_per_s']:>8.2f}%  (random weights, same shapes)")
+    lines.append("ms/tok: wall time per token of the generator; GPU ms: kernels of one step; host ms: the host's time "
+                 "to issue one step; kernels: per step; launches: host launches per token")
     return "\n".join(lines)

@@ -68,7 +68,8 @@ class Engine:
             self.capacity = min(self.capacity, backend.capacity)
         elif backend == "numpy" or (backend == "auto" and not gpu_available()):
             if recipe is not None:
-                raise ValueError(f"recipe {recipe!r} needs the CUDA backend; the NumPy backend has none")
+                raise ValueError(f"recipe {recipe!r} runs CUDA kernels: there is no GPU here, and the NumPy backend "
+                                 "has no recipes (backend='cuda' runs them in Numba's simulator, tiny models only)")
             self.backend = NumpyBackend(model, self.capacity)
         elif backend in ("cuda", "auto"):
             from .cuda_backend import CudaBackend
