@@ -57,6 +57,12 @@ class StepPlan:
         self._launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in recorded]
         self._graphs = {}
 
+    def buffers(self) -> dict[str, tuple]:
+        """{name: (shape, dtype)} of the plan's named buffers (its RunState)."""
+        named = {name: arr for name, arr in self.rt._pool.items() if isinstance(name, str)}
+        return {name: (arr.shape, arr.dtype) for name, arr in named.items()} | {
+            "history (mapped host memory)": (self.history.shape, self.history.dtype)}
+
     @property
     def launches(self) -> int:
         """Kernels per step."""
