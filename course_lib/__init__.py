@@ -6,13 +6,13 @@
     print(out.text, out.tokens_per_s)
 """
 
-from .config import ModelConfig, UnsupportedModelError
 from .device import by_mode, gpu_available, mode
 from .engine import Engine
 from .generate import Generation, generate
-from .model import DEFAULT_MODEL, Model, load_model
+from .model.config import ModelConfig, UnsupportedModelError
+from .model.loading import DEFAULT_MODEL, Model, load_model
+from .model.tiny import tiny_model
 from .recipes import RECIPES
-from .tiny import tiny_model
 
 __all__ = ["DEFAULT_MODEL", "RECIPES", "by_mode", "Engine", "Generation", "Model", "ModelConfig",
            "UnsupportedModelError", "generate", "gpu_available", "load_model", "mode", "tiny_model"]

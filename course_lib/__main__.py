@@ -49,7 +49,7 @@ def _bench(args) -> int:
         raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")
     import json
 
-    from .bench import format_bench, run_bench
+    from .measure.bench import format_bench, run_bench
 
     model = load_model(args.model)
     recipes = None if args.recipes == "all" else args.recipes.split(",")

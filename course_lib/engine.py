@@ -28,7 +28,7 @@ from . import reference
 from .device import gpu_available
 from .generate import Generation, TextStream, check_request, prompt_ids
 from .kernels.sampling import NO_TOKEN, sample
-from .model import Model
+from .model.loading import Model
 from .recipes import default_recipe, get_recipe
 
 
@@ -72,8 +72,8 @@ class Engine:
                                  "has no recipes (backend='cuda' runs them in Numba's simulator, tiny models only)")
             self.backend = NumpyBackend(model, self.capacity)
         elif backend in ("cuda", "auto"):
-            from .cuda_backend import CudaBackend
-            from .plan import StepPlan
+            from .gpu.backend import CudaBackend
+            from .gpu.plan import StepPlan
 
             self.recipe = get_recipe(recipe or default_recipe(gpu_available()))
             self.recipe.check(gpu_available())

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .model import Model
+from .model.loading import Model
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A recipe chooses a kernel for each stage of a layer (`cuda_backend.OP_CHOICES`) and how the host drives a step:
 - "launches": the host launches every kernel of every step from Python and samples on the host from the logits
   it copies back (notebooks 01 to 04);
-- "plan": the step recorded once (course_lib.plan), its launches replayed with pre-flattened arguments, the token,
+- "plan": the step recorded once (course_lib.gpu.plan), its launches replayed with pre-flattened arguments, the token,
   position and sampling on the GPU (notebook 06);
 - "graph": the same plan captured as a CUDA graph and replayed by one call per `steps_per_launch` tokens.
 The notebooks, `bench`, the command line and the tests all take recipes from RECIPES.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cuda_backend import BASELINE, NARROW, PAGED
+from .gpu.backend import BASELINE, NARROW, PAGED
 
 
 @dataclass(frozen=True)

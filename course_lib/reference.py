@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ModelConfig
-from .weights import LayerWeights, Weights
+from .model.config import ModelConfig
+from .model.weights import LayerWeights, Weights
 
 
 def embedding(table: np.ndarray, ids: np.ndarray) -> np.ndarray:

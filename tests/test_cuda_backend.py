@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from course_lib import Engine, generate, reference
-from course_lib.cuda_backend import NARROW, PAGED, CudaBackend
+from course_lib.gpu.backend import NARROW, PAGED, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.sampling import sample
-from course_lib.profiler import _without_holds, profile_decode
-from course_lib.weights import round_to_bf16
+from course_lib.measure.profiler import _without_holds, profile_decode
+from course_lib.model.weights import round_to_bf16
 
 # Tokens per generation: the simulator costs ~6 s per token of the tiny model (32 tokens in all here).
 N_TOKENS = {"f32": 16, "bf16": 8, "seeded": 8} if SIMULATOR else {"f32": 64, "bf16": 64, "seeded": 64}
@@ -178,7 +178,7 @@ def test_cache_equals_one_full_prefill(request, temperature):
 def test_recycled_arrays_do_not_pile_up():
     """Runtime(reuse=True) keeps one array per call of a pass: the same one while the shape holds, a replacement
     when it changes (a prompt of another length), never both."""
-    from course_lib.runtime import Runtime
+    from course_lib.gpu.runtime import Runtime
 
     rt = Runtime(reuse=True)
     first = []
@@ -193,7 +193,7 @@ def test_recycled_arrays_do_not_pile_up():
 def test_uploads_arrive_intact():
     """Runtime.to_device with reuse: the device gets the array as it was at the call (on a GPU through a pinned
     buffer, asynchronously), even when the caller changes its array at once, pass after pass."""
-    from course_lib.runtime import Runtime
+    from course_lib.gpu.runtime import Runtime
 
     rt = Runtime(reuse=True)
     for i in range(4):

@@ -7,7 +7,7 @@ import course_lib
 from course_lib import generate
 from course_lib.__main__ import main
 from course_lib.kernels.sampling import sample
-from course_lib.model import save_hf_dir
+from course_lib.model.loading import save_hf_dir
 
 
 class Scripted:
@@ -147,8 +147,8 @@ def test_param_count_matches_the_weights(tiny, tiny_qwen, smollm):
 
 
 def test_accounting_constants_match_the_real_model(smollm):
-    from course_lib.accounting import decode_cost, matmul_params, tokens_per_s_bound
-    from course_lib.config import SMOLLM2_135M
+    from course_lib.measure.accounting import decode_cost, matmul_params, tokens_per_s_bound
+    from course_lib.model.config import SMOLLM2_135M
 
     real = smollm.config
     for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "rope_theta"):

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from course_lib import generate, reference
-from course_lib.model import fetch_default_gguf, save_hf_dir
-from course_lib.weights import to_hf_tensors
+from course_lib.model.loading import fetch_default_gguf, save_hf_dir
+from course_lib.model.weights import to_hf_tensors
 
 U = 2.0**-24
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]

@@ -17,14 +17,14 @@ from checks import U32, check, dev, poison, poisoned, randn
 
 from course_lib import by_mode
 from course_lib import reference as R
-from course_lib.config import LLAMA_32_1B, ModelConfig
 from course_lib.kernels import SIM_SMS, SIMULATOR, cuda, sampling
 from course_lib.kernels import attention as attn
 from course_lib.kernels import copy as copy_k
 from course_lib.kernels import elementwise as ew
 from course_lib.kernels import matmul as mm
 from course_lib.kernels import narrow as nw
-from course_lib.safetensors_io import bf16_to_f32, f32_to_bf16
+from course_lib.model.config import LLAMA_32_1B, ModelConfig
+from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16
 
 WEIGHT_DTYPES = ["f32", "bf16"]
 
@@ -329,7 +329,7 @@ def test_read(rng):
 
 def test_graph_errors_are_clear():
     """No graph in the simulator; on a GPU, none on the default stream (it cannot be captured)."""
-    from course_lib.graphs import Graph
+    from course_lib.gpu.graphs import Graph
 
     with pytest.raises(RuntimeError if SIMULATOR else ValueError, match="need a GPU" if SIMULATOR else "default"):
         Graph(lambda: None, cuda.default_stream())
@@ -338,7 +338,7 @@ def test_graph_errors_are_clear():
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
 def test_graph_replays_the_captured_launches(rng):
     """Capture runs nothing; each replay runs the captured kernels again, on the arrays' current contents."""
-    from course_lib.graphs import Graph
+    from course_lib.gpu.graphs import Graph
 
     stream = cuda.stream()
     src, mid, dst = dev(randn(rng, 4096)), poisoned(4096), poisoned(4096)
@@ -353,7 +353,7 @@ def test_graph_replays_the_captured_launches(rng):
 
 
 class _CountingRuntime:
-    """The part of course_lib.runtime.Runtime the wrappers use: empty() and launch(name, kernel, grid, block)."""
+    """The part of course_lib.gpu.runtime.Runtime the wrappers use: empty() and launch(name, kernel, grid, block)."""
 
     def __init__(self):
         self.launched, self.allocations = [], 0

@@ -11,11 +11,11 @@ import pytest
 
 import course_lib
 from course_lib import UnsupportedModelError, load_model
-from course_lib.gguf_io import permute_rope_rows, unpermute_rope_rows
-from course_lib.model import load_gguf, load_hf_dir, save_hf_dir
-from course_lib.safetensors_io import bf16_to_f32, f32_to_bf16, read_safetensors, write_safetensors
-from course_lib.tiny import CHAT_TEMPLATE, tiny_model
-from course_lib.weights import to_hf_tensors
+from course_lib.model.gguf_io import permute_rope_rows, unpermute_rope_rows
+from course_lib.model.loading import load_gguf, load_hf_dir, save_hf_dir
+from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16, read_safetensors, write_safetensors
+from course_lib.model.tiny import CHAT_TEMPLATE, tiny_model
+from course_lib.model.weights import to_hf_tensors
 
 FLAVOURS = {"llama": dict(arch="llama"), "qwen2_untied": dict(arch="qwen2", tied=False, seed=1)}
 
@@ -344,7 +344,7 @@ def test_converted_cache_is_reused(tmp_path, tiny_gguf, monkeypatch):
     def no_reading(*args, **kwargs):
         raise AssertionError("read_gguf called although the converted cache exists")
 
-    monkeypatch.setattr(course_lib.gguf_io, "read_gguf", no_reading)
+    monkeypatch.setattr(course_lib.model.gguf_io, "read_gguf", no_reading)
     second = load_gguf(str(tiny_gguf), progress=False)
     assert second.config == first.config
     assert_same_weights(second, first)

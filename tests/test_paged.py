@@ -1,4 +1,4 @@
-"""The paged KV cache (course_lib.kv_cache) and its kernels (course_lib.kernels.paged_attention).
+"""The paged KV cache (course_lib.gpu.kv_cache) and its kernels (course_lib.kernels.paged_attention).
 
 Bookkeeping is pure host code. The kernels run in Numba's CUDA simulator when there is no GPU, on tiny shapes;
 outputs are filled with NaN (tables with a sentinel) first, so a forgotten write fails. The attention is checked
@@ -12,17 +12,17 @@ import pytest
 from checks import U32, check, dev, poisoned, randn
 
 from course_lib import reference as R
-from course_lib.config import LLAMA_31_8B, LLAMA_32_1B, SMOLLM2_135M, ModelConfig
-from course_lib.kernels import SIMULATOR
-from course_lib.kernels import paged_attention as pa
-from course_lib.kv_cache import (
+from course_lib.gpu.kv_cache import (
     CacheFullError,
     PagedKVCache,
     SequenceExistsError,
     SequenceTooLongError,
     UnknownSequenceError,
 )
-from course_lib.safetensors_io import bf16_to_f32, f32_to_bf16
+from course_lib.kernels import SIMULATOR
+from course_lib.kernels import paged_attention as pa
+from course_lib.model.config import LLAMA_31_8B, LLAMA_32_1B, SMOLLM2_135M, ModelConfig
+from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16
 
 TINY = ModelConfig("llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                    max_seq_len=256, name="tiny")

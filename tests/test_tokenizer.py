@@ -13,9 +13,9 @@ from itertools import pairwise
 
 import pytest
 
-from course_lib.model import fetch_default_gguf
-from course_lib.tiny import byte_tokenizer
-from course_lib.tokenizer import Tokenizer
+from course_lib.model.loading import fetch_default_gguf
+from course_lib.model.tiny import byte_tokenizer
+from course_lib.model.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -8,7 +8,7 @@ Weights are stored either as float32 or as bf16 bit patterns (uint16). A kernel 
 once, as a factory taking the device function that turns one stored weight into float32, and compiled for both
 storage types by `for_weight_dtypes`; `pick` chooses the specialization for an array.
 
-Host wrappers launch on `stream`, or through `rt` when given (a `course_lib.runtime.Runtime`, which counts
+Host wrappers launch on `stream`, or through `rt` when given (a `course_lib.gpu.runtime.Runtime`, which counts
 allocations and launches and can profile them): see `launch` and `empty`.
 """
 

@@ -79,7 +79,7 @@ def attention_two_pass(q, k, v, positions, scale, out):
 def attention(q, k, v, positions, out=None, stream=0, rt=None):
     """q [T, H, hd], k and v [S, Hkv, hd] (cache rows 0..S-1), positions [T] int32 (each < S), all float32
     -> out [T, H, hd] float32. Query t sees keys 0..positions[t]; H a multiple of Hkv; hd <= MAX_HEAD_DIM.
-    Launches on stream, or through rt (a course_lib.runtime.Runtime) when given."""
+    Launches on stream, or through rt (a course_lib.gpu.runtime.Runtime) when given."""
     T, H, hd = q.shape
     if H % k.shape[1] or hd > MAX_HEAD_DIM or k.shape[2] != hd or v.shape != k.shape:
         raise ValueError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} (hd <= {MAX_HEAD_DIM})")

@@ -26,7 +26,7 @@ def copy_grid_stride(src, dst):
 
 def copy(src, dst=None, blocks=None, stream=0, rt=None):
     """src [n] float32 -> dst [n] float32. blocks: grid size (default: enough for one element per thread, at
-    most MAX_BLOCKS). Launches on stream, or through rt (a course_lib.runtime.Runtime) when given."""
+    most MAX_BLOCKS). Launches on stream, or through rt (a course_lib.gpu.runtime.Runtime) when given."""
     dst = empty(src.shape, np.float32, stream, rt) if dst is None else dst
     if dst.shape != src.shape:
         raise ValueError(f"copy: src {src.shape}, dst {dst.shape}")

@@ -130,7 +130,7 @@ def add_flat(a, b, out):
         out[i] = a[i] + b[i]
 
 
-# ---- host wrappers (stream: a CUDA stream; rt: a course_lib.runtime.Runtime, used instead when given) ----
+# ---- host wrappers (stream: a CUDA stream; rt: a course_lib.gpu.runtime.Runtime, used instead when given) ----
 
 def _blocks(n: int, threads: int) -> int:
     return max(1, -(-n // threads))

@@ -98,7 +98,7 @@ _ADD_BIAS = for_weight_dtypes(_make_add_bias)
 _TRANSPOSE = {np.dtype(np.float32): _make_transpose(float32), np.dtype(np.uint16): _make_transpose(uint16)}
 
 
-# host wrappers: stream, a CUDA stream; rt, a course_lib.runtime.Runtime used instead when given
+# host wrappers: stream, a CUDA stream; rt, a course_lib.gpu.runtime.Runtime used instead when given
 
 def matmul(a, b, out=None, stream=0, rt=None):
     """a [M, K] float32 @ b [K, N] float32 or bf16 (uint16) -> out [M, N] float32."""

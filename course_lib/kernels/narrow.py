@@ -364,7 +364,7 @@ def _transposed_blocks(n: int, per_block: int) -> int:
     return max(1, min(sized(T_BLOCKS_PER_SM * sm_count(), 2), -(-n // per_block)))
 
 
-# ---- host wrappers: stream, a CUDA stream; rt, a course_lib.runtime.Runtime used instead when given ----
+# ---- host wrappers: stream, a CUDA stream; rt, a course_lib.gpu.runtime.Runtime used instead when given ----
 
 def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,

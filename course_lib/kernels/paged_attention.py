@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache (course_lib.kv_cache): writing new rows, and flash-decoding attention.
+"""Attention over a paged KV cache (course_lib.gpu.kv_cache): writing new rows, and flash-decoding attention.
 
 The cache of a layer is a key table and a value table [rows, Hkv, hd] (float32, or bf16 bits in uint16); a
 sequence's logical key j lives at row page_table[j // page_size] * page_size + j % page_size.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .runtime import Profile
+from ..gpu.runtime import Profile
 
 
 @dataclass
@@ -66,8 +66,8 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     Nothing in the step may wait for the GPU (uploads are asynchronous, from pinned memory: Runtime.to_device).
     A warning says when the kernels still waited on the host: then each interval also holds the host's
     preparation of that launch."""
-    from .kernels import copy as k_copy
-    from .kernels import cuda
+    from ..kernels import copy as k_copy
+    from ..kernels import cuda
 
     rt = backend.rt
     profile = Profile()

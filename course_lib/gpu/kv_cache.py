@@ -21,8 +21,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from .config import ModelConfig
-from .kernels import empty
+from ..kernels import empty
+from ..model.config import ModelConfig
 
 
 class CacheFullError(RuntimeError):
@@ -45,7 +45,7 @@ class PagedKVCache:
     """Keys and values of several sequences, in pages of page_size positions.
 
     k[layer], v[layer]: device arrays [pages * page_size, n_kv_heads, head_dim], float32 for dtype "f32" or uint16
-    holding bf16 bits for dtype "bf16" (allocated once; `rt`, a course_lib.runtime.Runtime, allocates them when
+    holding bf16 bits for dtype "bf16" (allocated once; `rt`, a course_lib.gpu.runtime.Runtime, allocates them when
     given). max_len: the default longest sequence (pages * page_size when None).
     """
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kernels import SIMULATOR, cuda
+from ..kernels import SIMULATOR, cuda
 
 
 class FastKernel:
@@ -147,7 +147,7 @@ class Runtime:
         and narrow.done_counters: one stream, one launch at a time). While recording a plan, each call site gets
         its own, kept with the plan: a shared buffer may be replaced by a larger one, and a recorded launch would
         then point at freed memory."""
-        from .kernels import narrow
+        from ..kernels import narrow
 
         if self._scratch is None:
             return narrow.partial_sums(partial_shape), narrow.done_counters(groups)

@@ -15,7 +15,7 @@ recorded once and replayed:
   per token cross to the host, not the 4 V bytes of the logits).
 
 `stage()` writes the inputs from the host, outside any replay; `run()` launches the recorded list (the arguments
-flattened once); `capture(steps)` records `steps` steps into a CUDA graph (course_lib.graphs), replayed by one
+flattened once); `capture(steps)` records `steps` steps into a CUDA graph (course_lib.gpu.graphs), replayed by one
 call. In the simulator there are no graphs: the same plan runs launch by launch.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import SIMULATOR, cuda, launch, reshaped
-from .kernels import sampling as k_sampling
+from ..kernels import SIMULATOR, cuda, launch, reshaped
+from ..kernels import sampling as k_sampling
 from .runtime import Runtime
 
 

@@ -8,7 +8,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .config import ModelConfig
-from .model import Model
+from .loading import Model
 from .tokenizer import Tokenizer
 from .weights import LayerWeights, Weights
 

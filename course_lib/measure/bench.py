@@ -10,10 +10,10 @@ from functools import partial
 
 import numpy as np
 
+from ..device import by_mode
+from ..kernels import copy as k_copy
+from ..kernels import cuda
 from . import accounting
-from .device import by_mode
-from .kernels import copy as k_copy
-from .kernels import cuda
 from .profiler import profile_decode, time_decode
 
 
@@ -39,7 +39,7 @@ def measure_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> dict[str, fl
 def bench_decode(model, bandwidth: float, weights: str = "bf16", context: int = 64, steps: int = 50,
                  fast_launch: bool = True, ops: dict | None = None, label: str = "baseline") -> dict:
     """Decode speed of the CUDA backend after a prompt of `context` tokens; one row of the bench table."""
-    from .cuda_backend import CudaBackend
+    from ..gpu.backend import CudaBackend
 
     c = model.config
     ids = np.random.default_rng(1).integers(0, c.vocab_size, context)
@@ -74,9 +74,9 @@ def same_text(model, weights: str, ops: dict, n_tokens: int = 32, prompt: str = 
     """Do these kernel choices give the NumPy reference's greedy tokens (on the same bf16-rounded weights)?"""
     import dataclasses
 
-    from .cuda_backend import CudaBackend
-    from .generate import generate
-    from .weights import round_to_bf16
+    from ..generate import generate
+    from ..gpu.backend import CudaBackend
+    from ..model.weights import round_to_bf16
 
     ref_model = model if weights == "f32" else dataclasses.replace(model, weights=round_to_bf16(model.weights))
     expected = generate(ref_model, prompt, max_new_tokens=n_tokens, stop=False, backend="numpy").token_ids
@@ -94,7 +94,7 @@ def _gb_per_s(run, buffers: list, nbytes: int, repeats: int, graph: bool = False
     - graph=False: a `hold` kernel keeps the GPU busy while the host queues the runs on the default stream. Each
       kernel still waits for the GPU to start it after the previous one ends (1.6 us for an empty kernel on
       the H200): the cost of kernels launched one by one.
-    - graph=True: the runs captured once as a CUDA graph (course_lib.graphs) on a stream of their own; the median
+    - graph=True: the runs captured once as a CUDA graph (course_lib.gpu.graphs) on a stream of their own; the median
       of 5 replays. The GPU knows each next kernel in advance (0.85 us between empty kernels): the cost inside a
       graph, where a whole decode step can run.
     No array is freed while timing (arrays the runs allocate outlive the replays)."""
@@ -108,7 +108,7 @@ def _gb_per_s(run, buffers: list, nbytes: int, repeats: int, graph: bool = False
 
     with cuda.defer_cleanup():
         if graph:
-            from .graphs import Graph
+            from ..gpu.graphs import Graph
 
             g = Graph(runs, stream)
             g.launch(stream)  # first replay: uploads the graph
@@ -189,9 +189,9 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
     memory, not from the 50 MB L2 cache. With PyTorch on the GPU, "torch": torch.nn.functional.linear on the
     [N, K] weights (cuBLAS), activations in the weights' dtype, timed the same way (both use the default stream).
     "read": a plain read of the same bytes (read_bandwidth), the ceiling at this size."""
-    from .kernels import matmul as k_matmul
-    from .kernels import narrow as k_narrow
-    from .safetensors_io import f32_to_bf16
+    from ..kernels import matmul as k_matmul
+    from ..kernels import narrow as k_narrow
+    from ..model.safetensors_io import f32_to_bf16
 
     rng = np.random.default_rng(0)
     out = []
@@ -230,8 +230,8 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30, graph: bo
     from memory, not from the L2 cache. With PyTorch on the GPU, "torch": its scaled_dot_product_attention on a
     contiguous cache (enable_gqa). "read": a plain read of the same bytes (read_bandwidth), the ceiling at this
     size. Rows: {"context", "MB", "read", "baseline", "flash", "chunks"[, "torch"]}."""
-    from .kernels import attention as k_attention
-    from .kernels import paged_attention as k_paged
+    from ..kernels import attention as k_attention
+    from ..kernels import paged_attention as k_paged
 
     rng = np.random.default_rng(0)
     H, Hkv, hd, page = config.n_heads, config.n_kv_heads, config.head_dim, 16
@@ -270,7 +270,7 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30, graph: bo
 def measure_launch_overhead(n: int = 2000) -> dict:
     """Host microseconds per launch of a tiny kernel (8 array arguments, as in the model's kernels), through
     Numba's dispatcher and through the runtime's fast path. The GPU work is negligible; launches queue up."""
-    from .runtime import Runtime
+    from ..gpu.runtime import Runtime
 
     arrays = [cuda.to_device(np.ones(32, np.float32)) for _ in range(2)]
     src, dst = arrays
@@ -292,7 +292,7 @@ def kernel_gaps(n: int = 500) -> dict[str, float]:
     """GPU microseconds per tiny kernel (a copy of 32 floats) when n of them run back to back: launched one by one
     behind a `hold` kernel (so no kernel waits for the host; each still waits for the GPU to start it), and
     replayed from a CUDA graph (the GPU knows the next kernel in advance)."""
-    from .graphs import Graph
+    from ..gpu.graphs import Graph
 
     src, dst, stream = cuda.to_device(np.ones(32, np.float32)), cuda.device_array(32, np.float32), cuda.stream()
 
@@ -349,8 +349,8 @@ def bench_recipe(model, name: str, bandwidth: float, context: int = 64, steps: i
     """One row of the progression: recipe `name` decoding `steps` greedy tokens after a random prompt of `context`
     tokens. tokens/s from the generator itself (a warm engine: compilation and capture done); GPU and host time
     per step, kernels per step; the share of the bound at the middle context."""
-    from .engine import Engine
-    from .recipes import get_recipe
+    from ..engine import Engine
+    from ..recipes import get_recipe
 
     recipe, c = get_recipe(name), model.config
     engine = Engine(model, "cuda", recipe=name, capacity=context + steps + 32, weights=weights)
@@ -375,15 +375,15 @@ def reference_tokens(model, weights: str, n_tokens: int, prompt: str) -> list[in
     """The NumPy reference's greedy tokens, on the weights as the GPU stores them (rounded to bf16 for "bf16")."""
     import dataclasses
 
-    from .engine import Engine
-    from .weights import round_to_bf16
+    from ..engine import Engine
+    from ..model.weights import round_to_bf16
 
     ref = model if weights == "f32" else dataclasses.replace(model, weights=round_to_bf16(model.weights))
     return Engine(ref, "numpy").generate(prompt, max_new_tokens=n_tokens, stop=False).token_ids
 
 
 def recipe_tokens(model, name: str, weights: str, n_tokens: int, prompt: str) -> list[int]:
-    from .engine import Engine
+    from ..engine import Engine
 
     return Engine(model, "cuda", recipe=name, weights=weights, capacity=256).generate(
         prompt, max_new_tokens=n_tokens, stop=False).token_ids
@@ -395,7 +395,7 @@ def run_bench(model, recipes=None, weights: str = "bf16", context: int = 64, ste
     GPU and host time per token, kernels per token, share of the bound and a same-text check against the NumPy
     reference, then the PyTorch peers of the same shapes in the same run when PyTorch sees the GPU.
     -> {"bound": ..., "rows": [...], "peers": {...}, ...}; `format_bench` prints it."""
-    from .recipes import RECIPES
+    from ..recipes import RECIPES
 
     c = model.config
     names = list(RECIPES) if recipes is None else list(recipes)

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference
-from .kernels import attention as k_attention
-from .kernels import copy as k_copy
-from .kernels import elementwise as k_elt
-from .kernels import matmul as k_matmul
-from .kernels import narrow as k_narrow
-from .kernels import paged_attention as k_paged
-from .kernels import reshaped
+from .. import reference
+from ..kernels import attention as k_attention
+from ..kernels import copy as k_copy
+from ..kernels import elementwise as k_elt
+from ..kernels import matmul as k_matmul
+from ..kernels import narrow as k_narrow
+from ..kernels import paged_attention as k_paged
+from ..kernels import reshaped
+from ..model.loading import Model
+from ..model.safetensors_io import f32_to_bf16
 from .kv_cache import PagedKVCache
-from .model import Model
 from .runtime import Runtime
-from .safetensors_io import f32_to_bf16
 
 # Kernel choice per op. Each later notebook adds its optimized choice beside the baseline's, so `bench` can show
 # the whole progression with the same text at every step.

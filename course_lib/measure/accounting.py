@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
+from ..model.config import ModelConfig
 
 
 def matmul_params(c: ModelConfig) -> int:
