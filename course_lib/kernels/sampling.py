@@ -24,10 +24,12 @@ import numpy as np
 from numba import float32, float64, int32, int64, uint32, uint64
 
 from course_lib.kernels import SIMULATOR, cuda, sized
-from course_lib.kernels.elementwise import FULL_MASK, block_max, block_sum, segment_sum
+from course_lib.kernels.elementwise import FULL_MASK, block_sum, segment_sum
 
 THREADS = sized(1024, 32)  # one block; a multiple of 32
+UNROLL = 4  # loads in flight per thread in the pass that finds the largest logit
 NO_TOKEN = -1
+_NONE = 2**31 - 1  # the index of a thread that has seen no logit yet
 SCALE = 2.0**32  # W_i = floor(w_i * SCALE)
 _MIX1, _MIX2, _GOLDEN = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
@@ -109,6 +111,62 @@ else:
 
 
 @cuda.jit(device=True)
+def visit(x, j, v, i, nan):
+    """Fold logit x at index j into a thread's (best value, its index, any NaN); indices come in increasing order,
+    so only a strictly larger value replaces (the lowest index wins a tie)."""
+    if x != x:
+        return v, i, int32(1)
+    if x > v or i == _NONE:
+        return x, int32(j), nan
+    return v, i, nan
+
+
+@cuda.jit(device=True)
+def warp_best(v, i, nan):
+    """(best value, lowest index of it, any NaN) over the warp, in every lane (shfl_xor_sync butterfly)."""
+    offset = 16
+    while offset > 0:
+        other_v = cuda.shfl_xor_sync(FULL_MASK, v, offset)
+        other_i = cuda.shfl_xor_sync(FULL_MASK, i, offset)
+        nan |= cuda.shfl_xor_sync(FULL_MASK, nan, offset)
+        if other_v > v or (other_v == v and other_i < i):
+            v, i = other_v, other_i
+        offset //= 2
+    return v, i, nan
+
+
+@cuda.jit(device=True)
+def block_best(logits, best_v, best_i, any_nan):
+    """(largest logit, its lowest index, any NaN) over the block, in every thread: one pass, UNROLL loads in flight
+    per thread. best_v, best_i, any_nan: shared [32] float32, int32, int32."""
+    tid, V = cuda.threadIdx.x, logits.shape[0]
+    lane, warp = tid % 32, tid // 32
+    v, i, nan = float32(-math.inf), int32(_NONE), int32(0)
+    j = tid
+    while j + (UNROLL - 1) * THREADS < V:
+        x0, x1, x2, x3 = logits[j], logits[j + THREADS], logits[j + 2 * THREADS], logits[j + 3 * THREADS]
+        v, i, nan = visit(x0, j, v, i, nan)
+        v, i, nan = visit(x1, j + THREADS, v, i, nan)
+        v, i, nan = visit(x2, j + 2 * THREADS, v, i, nan)
+        v, i, nan = visit(x3, j + 3 * THREADS, v, i, nan)
+        j += UNROLL * THREADS
+    while j < V:
+        v, i, nan = visit(logits[j], j, v, i, nan)
+        j += THREADS
+    v, i, nan = warp_best(v, i, nan)
+    if lane == 0:
+        best_v[warp], best_i[warp], any_nan[warp] = v, i, nan
+    cuda.syncthreads()
+    n_warps = THREADS // 32
+    v = best_v[lane] if lane < n_warps else float32(-math.inf)
+    i = best_i[lane] if lane < n_warps else int32(_NONE)
+    nan = any_nan[lane] if lane < n_warps else int32(0)
+    v, i, nan = warp_best(v, i, nan)
+    cuda.syncthreads()
+    return v, i, nan
+
+
+@cuda.jit(device=True)
 def block_sum_i64(v, scratch):
     """The sum of int64 v over the block (exact); every thread gets it. scratch: shared int64[32]."""
     lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
@@ -155,33 +213,20 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
     <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]. One block of THREADS."""
     f_scratch = cuda.shared.array(32, dtype=float32)
     i_scratch = cuda.shared.array(32, dtype=int64)
+    best_i = cuda.shared.array(32, dtype=int32)
+    any_nan = cuda.shared.array(32, dtype=int32)
     choice = cuda.shared.array(1, dtype=int32)
     tid, V = cuda.threadIdx.x, logits.shape[0]
     p = position[0]
     temperature, top_p = temperature_top_p[0], temperature_top_p[1]
     top_k, seed = top_k_seed[0], top_k_seed[1]
 
-    m, nan = float32(-math.inf), float32(0)
-    for i in range(tid, V, THREADS):
-        x = logits[i]
-        if x != x:
-            nan = float32(1)
-        else:
-            m = max(m, x)
-    m = block_max(m, f_scratch)
-    nan = block_sum(nan, f_scratch)
+    m, best, nan = block_best(logits, f_scratch, best_i, any_nan)
     if tid == 0:
         choice[0] = NO_TOKEN
-    if nan == 0 and temperature == 0:  # the lowest id of the largest logit
-        best = float32(-math.inf)
-        for i in range(tid, V, THREADS):
-            if logits[i] == m:
-                best = max(best, float32(-i))
-                break
-        best = block_max(best, f_scratch)
-        if tid == 0:
-            choice[0] = int32(-best) if best > float32(-math.inf) else int32(0)  # all -inf: id 0
-    elif nan == 0:
+        if nan == 0 and temperature == 0:  # greedy: the lowest id of the largest logit
+            choice[0] = best
+    if nan == 0 and temperature > 0:
         for i in range(tid, V, THREADS):
             z = (logits[i] - m) / float32(temperature)
             weights[i] = uint64(float64(float32(math.exp(z))) * SCALE)
