@@ -288,6 +288,11 @@ def measure_launch_overhead(n: int = 2000) -> dict:
     return out
 
 
+def gpu_name() -> str:
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def kernel_gaps(n: int = 500) -> dict[str, float]:
     """GPU microseconds per tiny kernel (a copy of 32 floats) when n of them run back to back: launched one by one
     behind a `hold` kernel (so no kernel waits for the host; each still waits for the GPU to start it), and
@@ -402,8 +407,7 @@ def run_bench(model, recipes=None, weights: str = "bf16", context: int = 64, ste
     say = progress or (lambda msg: None)
     say("measuring the read bandwidth")
     result = {"model": c.name, "params": c.n_params(), "context": context, "steps": steps, "weights": weights,
-              "gpu": cuda.get_current_device().name.decode() if isinstance(cuda.get_current_device().name, bytes)
-              else str(cuda.get_current_device().name), "date": time.strftime("%Y-%m-%d"),
+              "gpu": gpu_name(), "date": time.strftime("%Y-%m-%d"),
               "read_bandwidth": bound_bandwidth(), "copy_bandwidth": max(measure_bandwidth().values())}
     result["bound_bandwidth"] = max(result["read_bandwidth"], result["copy_bandwidth"])  # the highest of the methods
     say("reference tokens (NumPy)")
