@@ -47,7 +47,8 @@ RECIPES = {r.name: r for r in (
 
 def default_recipe(gpu: bool) -> str:
     """The fastest recipe verified on this kind of machine: a graph replay on a GPU; in the simulator (no graphs),
-    the step plan launched kernel by kernel."""
+    the step plan launched kernel by kernel. One step per replay, not eight: both decode at the same speed within
+    about 1% on the H200 (notebook 06), and one step per replay sees an end token sooner."""
     return "graph" if gpu else "plan"
 
 

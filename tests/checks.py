@@ -1,5 +1,6 @@
 """Helpers shared by the kernel tests: fresh random inputs, device copies, poisoned outputs, error checks."""
 
+import math
 import os
 
 import numpy as np
@@ -38,3 +39,12 @@ def check(got, want, tol, what=""):
     worst = np.unravel_index(np.argmax(excess), excess.shape)
     limit = np.broadcast_to(tol, err.shape)[worst]
     assert (excess <= 0).all(), f"{what}error {err[worst]:.3g} > tolerance {limit:.3g} at {worst}"
+
+
+def logit_tolerance(config, max_abs_logit: float) -> float:
+    """Two float32 forward passes of the same model that differ only in summation order: a dot product of length
+    K rounded in float32 errs by about sqrt(K) u relatively (errors of random sign), and a pass chains 2 L + 1 such
+    stages (attention and MLP of each layer, then the logits), each adding its own: sqrt(2L + 1) sqrt(K_max) u on
+    the logit scale max|logit|. We allow 8 times that."""
+    k_max = max(config.d_model, config.d_ff)
+    return 8 * math.sqrt(2 * config.n_layers + 1) * math.sqrt(k_max) * U32 * max_abs_logit

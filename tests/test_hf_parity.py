@@ -8,25 +8,19 @@ sqrt(2L + 1) * sqrt(K_max) * u on the logit scale max|logit|. We allow 8 times t
 For SmolLM2 (L = 30, K_max = d_ff = 1536, max|logit| ~ 30) that is ~1e-2; the differences seen are ~1e-4.
 """
 
-import math
 
 import numpy as np
 import pytest
 import torch
+from checks import logit_tolerance
 from transformers import AutoModelForCausalLM
 
 from course_lib import generate, reference
 from course_lib.model.loading import fetch_default_gguf, save_hf_dir
 from course_lib.model.weights import to_hf_tensors
 
-U = 2.0**-24
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
 CHAT = "What is the capital of France? Answer in one sentence."
-
-
-def logit_tolerance(config, max_abs_logit: float) -> float:
-    k_max = max(config.d_model, config.d_ff)
-    return 8 * math.sqrt(2 * config.n_layers + 1) * math.sqrt(k_max) * U * max_abs_logit
 
 
 def our_logits(model, ids):

@@ -52,7 +52,7 @@ class StepPlan:
         self.history = cuda.mapped_array(self.capacity + 1, np.int32)
         self._staging = {}  # pinned host copies of the inputs, one per buffer
         self._table_sent = None
-        recorded = rt.record(self._step)
+        recorded = rt.record(self._step, scratch_per_site=True)
         self.names = [name for name, *_ in recorded]
         self._launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in recorded]
         self._graphs = {}

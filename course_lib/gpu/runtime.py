@@ -47,11 +47,6 @@ class FastKernel:
             cfg = self.configs[grid, block] = LaunchConfig(grid=grid, block=block, is_cooperative=self.cooperative)
         return cfg
 
-    def launch(self, grid, block, stream, args):
-        from cuda.core import launch
-
-        launch(stream, self.config(grid, block), self.kernel, *self.flatten(args))
-
 
 def _flattener(ty):
     from numba.cuda import types
@@ -159,16 +154,18 @@ class Runtime:
                                    cuda.to_device(np.zeros(groups, np.int32)))
         return self._scratch[site]
 
-    def record(self, body) -> list:
-        """Run body() with launches recorded, not run: -> [(name, kernel, grid, block, args)], in order. The
-        arrays body() gets from `empty` and `split_k_scratch` stay the recorded launches' own."""
-        self._recording, self._scratch = [], {} if self._scratch is None else self._scratch
+    def record(self, body, scratch_per_site: bool = False) -> list:
+        """Run body() with launches recorded, not run: -> [(name, kernel, grid, block, args)], in order. Also a way
+        to count what a pass launches and allocates without running it (allocations and uploads do happen).
+        scratch_per_site: every split-K launch gets scratch of its own (a step plan: the arrays stay the recorded
+        launches' own)."""
+        self._recording, self._scratch = [], {} if scratch_per_site else None
         self.begin_pass()
         try:
             body()
             return self._recording
         finally:
-            self._recording = None
+            self._recording, self._scratch = None, None  # the recorded launches hold their scratch
 
     def to_device(self, array, persistent: bool = False):
         """A device copy of a host array (one transfer), in a fresh or (reuse) recycled device array; persistent
@@ -213,10 +210,7 @@ class Runtime:
             else:
                 start, end = cuda.event(), cuda.event()
                 start.record(self.stream)
-        if self.fast:
-            self._fast(kernel, args).launch(_dim3(grid), _dim3(block), self._stream_core(), args)
-        else:
-            kernel[grid, block, self.stream](*args)
+        self.prepared(kernel, grid, block, args)()
         if prof is not None:
             if SIMULATOR:
                 prof.host.append((name, t * 1e3, time.perf_counter() * 1e3))
@@ -239,8 +233,9 @@ class Runtime:
         return self._core_stream
 
     def prepared(self, kernel, grid, block, args):
-        """A launch with its arguments flattened once: calling it queues kernel[grid, block](*args) on the stream
-        (through Numba's dispatcher where there is no fast path: the simulator, or fast=False)."""
+        """The one way a Runtime launches: a launch with its arguments flattened once; calling it queues
+        kernel[grid, block](*args) on the runtime's stream (through Numba's dispatcher where there is no fast path:
+        the simulator, or fast=False). `launch` calls it at once; a step plan keeps it and calls it every step."""
         if not self.fast:
             return lambda: kernel[grid, block, self.stream](*args)
         from cuda.core import launch
