@@ -24,10 +24,11 @@ import numpy as np
 from numba import float32, float64, int32, int64, uint32, uint64
 
 from course_lib.kernels import SIMULATOR, cuda, sized
-from course_lib.kernels.elementwise import FULL_MASK, block_sum, segment_sum
+from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 
 THREADS = sized(1024, 32)  # one block; a multiple of 32
 UNROLL = 4  # loads in flight per thread in the pass that finds the largest logit
+RADIX = 256  # bins of a radix-select round (8 bits of a key)
 NO_TOKEN = -1
 _NONE = 2**31 - 1  # the index of a thread that has seen no logit yet
 SCALE = 2.0**32  # W_i = floor(w_i * SCALE)
@@ -181,6 +182,41 @@ def block_sum_i64(v, scratch):
 
 
 @cuda.jit(device=True)
+def radix_threshold(logits, weights, low, need, by_weight, hist, state):
+    """The largest key t >= low such that the tokens whose keys are >= t count (by_weight False) or weigh (True)
+    at least `need`, among the keys >= low: a radix select, 8 bits a round from the top, each round one pass over
+    the logits into a shared histogram of RADIX bins (integer atomics: exact whatever their order), then one thread
+    walks the bins down to the digit where the running total reaches `need`. hist: shared int64[RADIX]; state:
+    shared int64[2]."""
+    tid, V = cuda.threadIdx.x, logits.shape[0]
+    prefix, fixed, above = uint32(0), uint32(0), int64(0)  # the digits chosen, their bits, the total above them
+    for r in range(4):
+        shift = uint32(24 - 8 * r)
+        for b in range(tid, RADIX, THREADS):
+            hist[b] = int64(0)
+        cuda.syncthreads()
+        for i in range(tid, V, THREADS):
+            key = sortable_key(logits[i])
+            if key >= low and (key & fixed) == prefix:
+                cuda.atomic.add(hist, int32((key >> shift) & uint32(RADIX - 1)), int64(weights[i]) if by_weight
+                                else int64(1))
+        cuda.syncthreads()
+        if tid == 0:
+            run, digit = above, 0
+            for b in range(RADIX - 1, -1, -1):
+                if float64(run + hist[b]) >= need:
+                    digit = b
+                    break
+                run += hist[b]
+            state[0], state[1] = int64(prefix | (uint32(digit) << shift)), run
+        cuda.syncthreads()
+        prefix, above = uint32(state[0]), state[1]
+        fixed |= uint32(RADIX - 1) << shift
+        cuda.syncthreads()
+    return max(prefix, low)
+
+
+@cuda.jit(device=True)
 def exclusive_scan_i64(v, scratch):
     """(sum of v over the threads before this one, sum over the block), int64, exact. scratch: shared int64[32]."""
     lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
@@ -216,6 +252,8 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
     best_i = cuda.shared.array(32, dtype=int32)
     any_nan = cuda.shared.array(32, dtype=int32)
     choice = cuda.shared.array(1, dtype=int32)
+    hist = cuda.shared.array(RADIX, dtype=int64)
+    state = cuda.shared.array(2, dtype=int64)
     tid, V = cuda.threadIdx.x, logits.shape[0]
     p = position[0]
     temperature, top_p = temperature_top_p[0], temperature_top_p[1]
@@ -231,34 +269,16 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
             z = (logits[i] - m) / float32(temperature)
             weights[i] = uint64(float64(float32(math.exp(z))) * SCALE)
         cuda.syncthreads()  # the draw reads weights other threads wrote
-        # top-k: the largest key t with at least top_k keys >= t, bit by bit from the top
-        low = uint32(0)
-        if 0 < top_k < V:
-            for b in range(31, -1, -1):
-                t = low | (uint32(1) << uint32(b))
-                count = float32(0)
-                for i in range(tid, V, THREADS):
-                    if sortable_key(logits[i]) >= t:
-                        count += float32(1)
-                if block_sum(count, f_scratch) >= float32(top_k):
-                    low = t
-        # top-p: the largest key t >= low whose kept weight reaches top_p of the total
-        if top_p < 1:
+        low = uint32(0)  # the smallest key kept
+        if 0 < top_k < V:  # top-k: the k-th largest key
+            low = radix_threshold(logits, weights, low, float64(top_k), False, hist, state)
+        if top_p < 1:  # top-p: the largest key whose kept weight reaches top_p of the total
             total = int64(0)
             for i in range(tid, V, THREADS):
                 if sortable_key(logits[i]) >= low:
                     total += int64(weights[i])
             need = top_p * float64(block_sum_i64(total, i_scratch))
-            t_p = uint32(0)  # the largest t whose kept weight (keys >= max(t, low)) reaches `need`
-            for b in range(31, -1, -1):
-                t = t_p | (uint32(1) << uint32(b))
-                mass = int64(0)
-                for i in range(tid, V, THREADS):
-                    if sortable_key(logits[i]) >= max(t, low):
-                        mass += int64(weights[i])
-                if float64(block_sum_i64(mass, i_scratch)) >= need:
-                    t_p = t
-            low = max(t_p, low)
+            low = radix_threshold(logits, weights, low, need, True, hist, state)
         # the draw: thread j owns the ids [j per, (j + 1) per), walked in id order by the thread holding the target
         per = (V + THREADS - 1) // THREADS
         lo, hi = min(tid * per, V), min(tid * per + per, V)
