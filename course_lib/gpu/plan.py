@@ -54,6 +54,7 @@ class StepPlan:
         self._table_sent = None
         recorded = rt.record(self._step, scratch_per_site=True)
         self.names = [name for name, *_ in recorded]
+        self._arguments = [args for *_, args in recorded]  # the arrays the flattened launches point at, kept alive
         self._launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in recorded]
         self._graphs = {}
 

@@ -165,7 +165,7 @@ class Runtime:
             body()
             return self._recording
         finally:
-            self._recording, self._scratch = None, None  # the recorded launches hold their scratch
+            self._recording, self._scratch = None, None  # the recorded arguments hold the scratch: keep them
 
     def to_device(self, array, persistent: bool = False):
         """A device copy of a host array (one transfer), in a fresh or (reuse) recycled device array; persistent

@@ -26,7 +26,7 @@ from numba import float32, float64, int32, int64, uint32, uint64
 from course_lib.kernels import SIMULATOR, cuda, sized
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 
-THREADS = sized(1024, 32)  # one block; a multiple of 32
+THREADS = sized(512, 32)  # one block; a multiple of 32 (1024 threads: too few registers each for the radix select)
 UNROLL = 4  # loads in flight per thread in the pass that finds the largest logit
 RADIX = 256  # bins of a radix-select round (8 bits of a key)
 NO_TOKEN = -1
