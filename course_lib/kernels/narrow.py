@@ -66,10 +66,10 @@ UNROLL = 8  # loads in flight per thread
 VEC = 8  # elements per lane and 16-byte load group
 TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
-BLOCKS_PER_SM = sized(1, 2)  # split_k's target (H200: one block of 16 warps per SM beat two of 8 by 2 to 13% on
-# the 8-34 MB matrices of Llama-3.2-1B, half the slices to add; the simulator's 2 SMs need 2 to split small K)
+BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
+# two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
 T_BLOCKS_PER_SM = 4  # the transposed kernels' grid: at most this many blocks per SM, a grid-stride loop over the
-# rows beyond (H200, SmolLM2's logits: 3.0 TB/s, against 2.8 with a block for every 32 rows, 1,536 blocks)
+# rows beyond (a block for every 32 rows ran as about 1.5 waves)
 
 
 # ---- how K is split ----
@@ -83,8 +83,7 @@ def split_k(K: int, N: int, cols_per_block: int, sms: int, warps: int = WARPS, p
     is shorter than MIN_SLICE (slice s covers k in [s K // S, (s + 1) K // S): its length is K // S or one
     more), and at least 1 (then the one slice may be short: K < 2 MIN_SLICE). When K is a multiple of a
     block's step (warps x UNROLL rows), S is the divisor of K / step nearest that integer, so that every slice is
-    whole steps: no rows are left over for the loop that reads one row at a time, a memory latency per row (on
-    the H200, 8192 x 2048 took 33 slices of 248 rows: 7 rows one at a time per warp).
+    whole steps: no rows are left over for the loop that reads one row at a time, a memory latency per row.
     """
     groups = -(-N // cols_per_block)
     want = max(1, min(round(per_sm * sms / groups), K // MIN_SLICE))
@@ -337,7 +336,7 @@ def partial_sums(shape):
     """A float32 device array of `shape` for a launch's partial sums [S, rows, N], a view of one buffer kept for
     all split-K launches of the process (grown when too small; one stream at a time, as done_counters), made once
     per shape: a decode step's 200-odd matmuls allocate nothing and make no new view (either costs more host time
-    than the launch: 51 us per call for a new view on the H200)."""
+    than the launch)."""
     global _partial
     n = int(np.prod(shape))
     if _partial is None or _partial.size < n:

@@ -30,18 +30,8 @@ length depends only on n, Hkv, hd and the GPU (never on T), and so does the merg
 chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's x is
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
 
-Measured on the H200 (decode, T = 1, float32 cache, GPU time per call launched one by one, KV bytes read / time;
-notebook 04): at 4096 keys 0.48 TB/s on SmolLM2-135M shapes (H 9, Hkv 3, hd 64: 6.3 MB per layer, 13.1 us, where
-a plain read of those bytes in one kernel takes 4.7 us; 11.7 and 3.7 us replayed in a CUDA graph), 0.96 TB/s on
-Llama-3.2-1B shapes (32, 8, 64), 1.5 TB/s on Llama-3.1-8B shapes (32, 8, 128); at 16384 keys 1.3, 2.2 and 2.8
-TB/s (the copy bandwidth is 4.0 TB/s). Small layers are bound by fixed costs, not by bandwidth: timed apart at
-SmolLM2's 4k (4-warp blocks), flash_decode_chunks took 8.1 us and merge_chunks 5.3 us (an empty kernel: 1.3 us),
-each a chain of memory latencies. What helped: the page table
-looked up a step ahead (8B shapes at 4k 1.14 -> 1.35 TB/s), the merge loading 8 chunks at once (6.4 -> 5.3 us),
-8 warps per block instead of 4 (8B shapes at 16k 2.44 -> 2.88 TB/s). Variants measured and left: 2 keys per step
-with the next step's loads in flight (double buffering), 3 or 4 blocks per SM, 2 warps per block, 1 or 2 keys per
-team and step, a merge done by the last block of each query instead of a second kernel (much slower: one block
-then reads every chunk's results), and a merge loading all chunks at once with 1024 threads (8 us: slower).
+Why these choices (the measurements behind them: notebook 04 and data/h200_kernel_notes.md): small layers are bound
+by fixed costs, not by bandwidth, so each kernel keeps many loads in flight and avoids chains of memory latencies.
 """
 
 import math
@@ -56,10 +46,10 @@ from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 MAX_HEAD_DIM = 256
 MAX_GROUP = 8  # query heads per KV head (H / Hkv)
 MAX_GROUP_DIMS = 1024  # G x hd at most: the warps' partial outputs (WARPS x G x hd floats) fill shared memory
-WARPS = sized(8, 1)  # warps of a flash_decode_chunks block (H200: 8 beat 2 and 4)
+WARPS = sized(8, 1)  # warps of a flash_decode_chunks block (the fastest of 2, 4 and 8)
 THREADS = 32 * WARPS
 UNROLL = 4  # keys per team and step: 2 UNROLL 16-byte groups of bf16 in flight per lane (4 UNROLL of float32)
-BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (2, 3 and 4 measured: 2 is best at 4k)
+BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastest of 2, 3 and 4 at 4k)
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
 MAX_CHUNKS = 1024  # chunks per query at most

@@ -28,7 +28,7 @@ def aligned16(arr) -> bool:
 def words(arr):
     """The flat uint32 view of a C-contiguous device array whose size in bytes is a multiple of 4, made once per
     array (cached_view): the weights and KV tables are viewed at every launch, about a thousand views per decode
-    step of SmolLM2 (caching them: 41.8 -> 38.2 ms per step on the H200)."""
+    step of SmolLM2."""
     return cached_view(arr, "words", lambda a: a.view(np.uint32).reshape(a.size * a.dtype.itemsize // 4))
 
 
