@@ -48,3 +48,13 @@ def logit_tolerance(config, max_abs_logit: float) -> float:
     the logit scale max|logit|. We allow 8 times that."""
     k_max = max(config.d_model, config.d_ff)
     return 8 * math.sqrt(2 * config.n_layers + 1) * math.sqrt(k_max) * U32 * max_abs_logit
+
+
+def as_computed(model, weights: str):
+    """The model whose reference run is the exact counterpart of a GPU run with `weights` ("f32", or "bf16": the
+    reference on the weights rounded to bf16, as the GPU stores them)."""
+    import dataclasses
+
+    from course_lib.model.weights import round_to_bf16
+
+    return model if weights == "f32" else dataclasses.replace(model, weights=round_to_bf16(model.weights))

@@ -30,3 +30,12 @@ def tiny():
 def tiny_qwen():
     """Qwen2 flavour: QKV bias, untied output head."""
     return course_lib.tiny_model("qwen2", tied=False, seed=1)
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    """The model the backends are checked on: the tiny Qwen2 flavour (QKV bias, untied head) in the simulator, the
+    real SmolLM2 on a GPU."""
+    from course_lib.kernels import SIMULATOR
+
+    return request.getfixturevalue("tiny_qwen" if SIMULATOR else "smollm")
