@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`... | head`): not an error of ours
+        sys.stdout = None
+        return 0
 
 
 if __name__ == "__main__":

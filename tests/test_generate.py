@@ -160,3 +160,34 @@ def test_accounting_constants_match_the_real_model(smollm):
     assert cost.flops == 2 * matmul_params(real)
     assert 0.99 < cost.intensity < 1.01  # ~2 FLOPs per 2-byte weight: about one FLOP per byte
     assert 15_000 < tokens_per_s_bound(real, 4.27e12, context=0, weight_bytes=2) < 16_500
+
+
+def test_default_model_names_in_any_case(monkeypatch):
+    """The default model's name is accepted in any case and with its Hugging Face organization."""
+    from course_lib.model import loading
+
+    seen = []
+    monkeypatch.setattr(loading, "fetch_default_gguf", lambda progress=True: seen.append(1) or "x.gguf")
+    monkeypatch.setattr(loading, "load_gguf", lambda path, progress=True: path)
+    for name in ("SmolLM2-135M-Instruct", "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert loading.load_model(name) == "x.gguf"
+    assert len(seen) == 3
+    with pytest.raises(FileNotFoundError, match="neither"):
+        loading.load_model("SmolLM2-360M")
+
+
+def test_cli_output_into_a_closed_pipe(tmp_path, tiny, monkeypatch):
+    """`python -m course_lib info | head -1`: when the reader has gone, the command ends quietly (status 0)
+    instead of with a BrokenPipeError traceback."""
+    import sys
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    save_hf_dir(tiny, str(tmp_path))
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["info", "--model", str(tmp_path)]) == 0

