@@ -70,24 +70,6 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def same_text(model, weights: str, ops: dict, n_tokens: int = 32, prompt: str = "The capital of France is") -> bool:
-    """Do these kernel choices give the NumPy reference's greedy tokens (on the same bf16-rounded weights)?"""
-    import dataclasses
-
-    from ..generate import generate
-    from ..gpu.backend import CudaBackend
-    from ..model.weights import round_to_bf16
-
-    ref_model = model if weights == "f32" else dataclasses.replace(model, weights=round_to_bf16(model.weights))
-    expected = generate(ref_model, prompt, max_new_tokens=n_tokens, stop=False, backend="numpy").token_ids
-    ids = model.tokenizer.encode(prompt)
-    backend = CudaBackend(model, len(ids) + n_tokens, weights=weights, ops=ops)
-    tokens = [int(np.argmax(backend.prefill(ids)))]
-    while len(tokens) < n_tokens:
-        tokens.append(int(np.argmax(backend.decode(tokens[-1]))))
-    return tokens == expected
-
-
 def _gb_per_s(run, buffers: list, nbytes: int, repeats: int, graph: bool = False) -> float:
     """GB/s of `nbytes` moved by run(buffer, stream=s), on the buffers in turn, GPU time only, timed by events
     around `repeats` runs back to back, with launch overhead left out in one of two ways:
