@@ -1,14 +1,20 @@
-"""Helpers shared by the kernel tests: fresh random inputs, device copies, poisoned outputs, error checks."""
+"""Helpers shared by the kernel tests: fresh random inputs, device copies, poisoned outputs, error checks, and the
+real models' shapes (GPU only)."""
 
 import math
 import os
 
 import numpy as np
+import pytest
 
-from course_lib.kernels import cuda
+from course_lib.kernels import SIMULATOR, cuda
+from course_lib.model.config import LLAMA_32_1B, SMOLLM2_135M
 
 SEED = int(os.environ.get("KERNEL_TEST_SEED", "20261129"))
 U32 = 2.0**-24  # unit roundoff of float32: a rounded operation errs by at most U32 * |exact result|
+
+real_shapes = pytest.mark.skipif(SIMULATOR, reason="real shapes need a GPU")
+REAL_MODELS = [pytest.param(SMOLLM2_135M, id="SmolLM2-135M"), pytest.param(LLAMA_32_1B, id="Llama-3.2-1B")]
 
 
 def randn(rng, *shape, scale=1.0):

@@ -9,7 +9,7 @@ Llama-3.2-1B and Llama-3.1-8B up to 4096 keys (skipped in the simulator).
 
 import numpy as np
 import pytest
-from checks import U32, check, dev, poisoned, randn
+from checks import REAL_MODELS, U32, check, dev, poisoned, randn, real_shapes
 
 from course_lib import reference as R
 from course_lib.gpu.kv_cache import (
@@ -19,9 +19,8 @@ from course_lib.gpu.kv_cache import (
     SequenceTooLongError,
     UnknownSequenceError,
 )
-from course_lib.kernels import SIMULATOR
 from course_lib.kernels import paged_attention as pa
-from course_lib.model.config import LLAMA_31_8B, LLAMA_32_1B, SMOLLM2_135M, ModelConfig
+from course_lib.model.config import LLAMA_31_8B, ModelConfig
 from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16
 
 TINY = ModelConfig("llama", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -372,22 +371,20 @@ def test_flash_rejects_bad_shapes(rng):
 
 # ---- real shapes (GPU only) ----
 
-real_shapes = pytest.mark.skipif(SIMULATOR, reason="real shapes need a GPU")
-REAL_MODELS = [pytest.param(SMOLLM2_135M, id="SmolLM2-135M"), pytest.param(LLAMA_32_1B, id="Llama-3.2-1B"),
-               pytest.param(LLAMA_31_8B, id="Llama-3.1-8B")]
+PAGED_REAL_MODELS = REAL_MODELS + [pytest.param(LLAMA_31_8B, id="Llama-3.1-8B")]
 
 
 @real_shapes
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 1000, 4096])
-@pytest.mark.parametrize("config", REAL_MODELS)
+@pytest.mark.parametrize("config", PAGED_REAL_MODELS)
 def test_flash_real(rng, config, n, dtype):
     for T in (1, min(n, 7)):
         check_flash(rng, T, config.n_heads, config.n_kv_heads, config.head_dim, n, dtype, page_size=16)
 
 
 @real_shapes
-@pytest.mark.parametrize("config", REAL_MODELS)
+@pytest.mark.parametrize("config", PAGED_REAL_MODELS)
 def test_flash_real_query_alone_equals_prefill(rng, config):
     H, Hkv, hd, n = config.n_heads, config.n_kv_heads, config.head_dim, 4096
     q, k, v, page_table, _, _, _ = paged_case(rng, 4, H, Hkv, hd, n, "bf16", 16)

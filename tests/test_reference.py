@@ -2,17 +2,9 @@
 
 import numpy as np
 import pytest
+from checks import U32
 
 from course_lib import reference
-
-U = 2.0**-24
-
-
-@pytest.fixture
-def rng(request):
-    seed = abs(hash(request.node.name)) % 2**32
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def test_rms_norm(rng):
@@ -20,7 +12,7 @@ def test_rms_norm(rng):
     w = rng.standard_normal(96).astype(np.float32)
     x64 = x.astype(np.float64)
     expected = x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-5) * w
-    np.testing.assert_allclose(reference.rms_norm(x, w, 1e-5), expected, rtol=0, atol=64 * U * np.abs(expected).max())
+    np.testing.assert_allclose(reference.rms_norm(x, w, 1e-5), expected, rtol=0, atol=64 * U32 * np.abs(expected).max())
 
 
 def test_rope_is_a_rotation_that_encodes_relative_position(tiny, rng):
