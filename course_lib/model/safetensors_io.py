@@ -1,11 +1,13 @@
 """Read and write .safetensors files with NumPy, bf16 included (NumPy has no bf16: we keep its raw uint16 bits).
 
 Format: an 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the data.
+A file that is truncated or malformed anywhere raises ValueError naming the file, never a short or garbled tensor.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -35,10 +37,11 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
+            raise ValueError(f"{path}: not a safetensors file (too short: {size} bytes, truncated?)")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise ValueError(f"{path}: not a safetensors file (header length {n} exceeds file size)")
+            raise ValueError(f"{path}: not a safetensors file (header length {n} exceeds file size {size}, "
+                             "truncated?)")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -51,15 +54,18 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         try:
-            dtype_name, shape, (start, end) = info["dtype"], [int(n) for n in info["shape"]], info["data_offsets"]
+            dtype_name, shape, (start, end) = info["dtype"], [_index(d) for d in info["shape"]], info["data_offsets"]
+            start, end = _index(start), _index(end)
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: corrupt safetensors header entry for tensor {name}: {info!r}") from None
-        dtype = _NUMPY_DTYPES.get(dtype_name)
+        if start > end:
+            raise ValueError(f"{path}: tensor {name} has data_offsets {[start, end]} that run backwards")
+        dtype = _NUMPY_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype_name}")
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype_name!r}")
         if end > len(data):
             raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-        if end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+        if end - start != math.prod(shape) * np.dtype(dtype).itemsize:  # (math.prod: no int64 overflow)
             raise ValueError(f"{path}: tensor {name}: shape {shape} does not match its {end - start} bytes")
         arr = data[start:end].view(dtype).reshape(shape)
         if dtype_name == "BF16":
@@ -68,6 +74,13 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
             arr = arr.astype(np.float32)
         out[name] = arr
     return out
+
+
+def _index(x) -> int:
+    """x as a count or offset: an int >= 0 (a float, bool, string or negative number is a corrupt header)."""
+    if type(x) is not int or x < 0:
+        raise ValueError(x)
+    return x
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], bf16: bool = False) -> None:

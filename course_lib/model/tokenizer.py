@@ -27,7 +27,8 @@ _GGUF_CONTROL = 3  # llama.cpp token type of special tokens
 class Tokenizer:
     """encode(text) -> list of ids; decode(ids) -> text; apply_chat_template(messages) -> text.
 
-    `stop_ids` are the ids that end generation (the model's end-of-turn/end-of-text tokens).
+    `stop_ids` are the ids that end generation (the model's end-of-turn/end-of-text tokens). `vocab_size` is one
+    more than the largest id, the rows an embedding table needs (the number of tokens, unless the ids have gaps).
     """
 
     def __init__(self, tok: HFTokenizer, chat_template: str | None, bos_id: int | None, eos_id: int | None,
@@ -37,7 +38,7 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         ends = {tok.token_to_id(t) for t in END_TOKENS} | {eos_id}
         self.stop_ids = frozenset(i for i in ends if i is not None)
 

@@ -48,9 +48,6 @@ class Weights:
                 if value is not None:
                     yield f"model.layers.{i}.{_HF_LAYER_NAMES[f.name]}", value
 
-    def nbytes(self) -> int:
-        return sum(a.nbytes for _, a in self.arrays())
-
 
 _HF_LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight",
