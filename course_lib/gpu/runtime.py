@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kernels import SIMULATOR, cuda
+from ..kernels import SIMULATOR, compiled_once, cuda
 
 
 class FastKernel:
@@ -236,6 +236,7 @@ class Runtime:
         """The one way a Runtime launches: a launch with its arguments flattened once; calling it queues
         kernel[grid, block](*args) on the runtime's stream (through Numba's dispatcher where there is no fast path:
         the simulator, or fast=False). `launch` calls it at once; a step plan keeps it and calls it every step."""
+        compiled_once(kernel)
         if not self.fast:
             return lambda: kernel[grid, block, self.stream](*args)
         from cuda.core import launch

@@ -34,6 +34,12 @@ if SIMULATOR:
 
     _sim.install()
 
+    def compiled_once(kernel):
+        """The simulator interprets kernels: nothing to compile, nothing to cache."""
+        return kernel
+else:
+    from ._disk_cache import compiled_once  # kernels compiled once per machine, kept on disk
+
 
 SIM_SMS = 4  # "SMs" of the simulator, for the kernels that size their grid by the SM count (few blocks: it is slow)
 
@@ -81,7 +87,7 @@ def pick(kernels: dict, w):
 def launch(kernel, grid, block, stream, rt, *args):
     """kernel[grid, block, stream](*args), or rt.launch(name, kernel, grid, block, *args) when a Runtime is given."""
     if rt is None:
-        kernel[grid, block, stream](*args)
+        compiled_once(kernel)[grid, block, stream](*args)
     else:
         rt.launch(kernel.py_func.__name__, kernel, grid, block, *args)
 
@@ -110,5 +116,5 @@ def empty(shape, dtype=np.float32, stream=0, rt=None):
     return cuda.device_array(shape, dtype, stream=stream) if rt is None else rt.empty(shape, dtype)
 
 
-__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "cuda", "empty", "f32_weight",
-           "for_weight_dtypes", "launch", "pick", "reshaped", "sized"]
+__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "compiled_once", "cuda", "empty",
+           "f32_weight", "for_weight_dtypes", "launch", "pick", "reshaped", "sized"]
