@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .gpu.backend import BASELINE, NARROW, PAGED
+from .gpu.backend import BASELINE, FUSED, NARROW, PAGED
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,17 @@ RECIPES = {r.name: r for r in (
     Recipe("graph", "06", "the step plan replayed as one CUDA graph per token", PAGED, replay="graph"),
     Recipe("graph8", "06", "the step plan, eight tokens per CUDA graph launch", PAGED, replay="graph",
            steps_per_launch=8),
+    Recipe("fused", "05, 06", "the graph replay, the residual added by the O and down projections' reduction (no "
+           "add kernels)", FUSED, replay="graph"),
 )}
 
 
 def default_recipe(gpu: bool) -> str:
-    """The fastest recipe verified on this kind of machine: a graph replay on a GPU; in the simulator (no graphs),
-    the step plan launched kernel by kernel. One step per replay, not eight: both decode at the same speed within
-    about 1% on the H200 (notebook 06), and one step per replay sees an end token sooner."""
-    return "graph" if gpu else "plan"
+    """The fastest recipe verified on this kind of machine: on a GPU the graph replay of the step with the fused
+    residual; in the simulator (no graphs), the step plan launched kernel by kernel. One step per replay, not eight:
+    both decode at the same speed within about 1% on the H200 (notebook 06), and one step per replay sees an end
+    token sooner."""
+    return "fused" if gpu else "plan"
 
 
 def get_recipe(name: str) -> Recipe:

@@ -10,13 +10,15 @@ import pytest
 from checks import as_computed, logit_tolerance
 
 from course_lib import reference
-from course_lib.gpu.backend import NARROW, PAGED, CudaBackend
+from course_lib.gpu.backend import FUSED, NARROW, PAGED, CudaBackend
 from course_lib.kernels import SIMULATOR
 
 
-@pytest.mark.parametrize("ops", [None, NARROW, PAGED], ids=["baseline", "narrow", "paged"])
+@pytest.mark.parametrize("ops", [None, NARROW, PAGED, FUSED], ids=["baseline", "narrow", "paged", "fused"])
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
 def test_logits_match_reference(request, model, weights, ops):
+    if SIMULATOR and ops is FUSED and weights == "f32":
+        pytest.skip("simulator time: the fused residual is the add kernel bit for bit (test_kernels), once is enough")
     if ops is not None and SIMULATOR:
         model = request.getfixturevalue("tiny")  # tied embeddings: the transposed logits kernel
     c = model.config
@@ -59,3 +61,20 @@ def test_op_choices_are_checked(tiny):
 def test_fused_bias_needs_the_narrow_matmul(tiny):
     with pytest.raises(ValueError, match="fused bias"):
         CudaBackend(tiny, 4, ops={"bias": "fused"})
+
+
+def test_fused_residual_needs_the_paged_step(tiny):
+    with pytest.raises(ValueError, match="fused residual"):
+        CudaBackend(tiny, 4, ops={"matmul": "narrow", "residual": "fused"})
+
+
+def test_fused_residual_replaces_the_add_kernels(tiny):
+    """Two add kernels per layer leave the step; the O and down projections add into the residual stream (the
+    step recorded, not run)."""
+    steps = {}
+    for name, ops in (("paged", PAGED), ("fused", FUSED)):
+        backend = CudaBackend(tiny, 16, weights="bf16", ops=ops)
+        steps[name] = [launch[0] for launch in backend.rt.record(lambda b=backend: b.prefill([1, 2, 3]))]
+    assert len(steps["paged"]) - len(steps["fused"]) == 2 * tiny.config.n_layers
+    assert "add_flat" in steps["paged"] and "add_flat" not in steps["fused"]
+    assert sum(name.endswith("_add") for name in steps["fused"]) == 2 * tiny.config.n_layers

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from checks import U32, check, dev, poison, poisoned, randn
+from checks import REAL_MODELS, U32, check, dev, poison, poisoned, randn, real_shapes
 
 from course_lib import by_mode
 from course_lib import reference as R
@@ -23,7 +23,7 @@ from course_lib.kernels import copy as copy_k
 from course_lib.kernels import elementwise as ew
 from course_lib.kernels import matmul as mm
 from course_lib.kernels import narrow as nw
-from course_lib.model.config import LLAMA_32_1B, ModelConfig
+from course_lib.model.config import LLAMA_32_1B, SMOLLM2_135M, ModelConfig
 from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16
 
 WEIGHT_DTYPES = ["f32", "bf16"]
@@ -400,11 +400,6 @@ def test_wrappers_launch_through_a_runtime(rng):
 # Every kernel at the shapes a forward pass of the two models gives it. The CPU side dominates the time: weights
 # are drawn once per shape and the float64 reference is computed once, for the most rows, then sliced.
 
-real_shapes = pytest.mark.skipif(SIMULATOR, reason="real shapes need a GPU")
-
-SMOLLM2_135M = ModelConfig("llama", vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536,
-                           max_seq_len=8192, rope_theta=100000.0, rms_eps=1e-5, name="SmolLM2-135M")
-REAL_MODELS = [pytest.param(SMOLLM2_135M, id="SmolLM2-135M"), pytest.param(LLAMA_32_1B, id="Llama-3.2-1B")]
 REAL_M = (1, 16, 64 + 7)  # rows of a matmul: one token (decode), a few, past one 64-row tile of the GPU matmul
 REAL_T = [1, 100]  # tokens in a pass: decode, prefill
 REAL_PROJECTIONS = [  # (K, N) = (in, out) of wq and wo, wk and wv, w_gate and w_up, w_down
@@ -601,6 +596,9 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
         for bias, b1 in (("f32", F1), ("bf16", "uint16[::1]")) if rows <= narrow.KERNEL_ROWS else ():
             jobs.append((f"split_k[{kind}, R={rows}, bias {bias}]", narrow.kernel_for("split_k", kind, rows, bias),
                          f"void({F2}, {w2}, {b1}, {F3}, {I1}, {F2})"))
+        if rows <= narrow.KERNEL_ROWS:  # out += a @ b: the residual added in the reduction
+            jobs.append((f"split_k_add[{kind}, R={rows}]", narrow.kernel_for("split_k", kind, rows, "f32", True),
+                         f"void({F2}, {w2}, {F1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
                      f"void({a2}, {w2}, {F2})"))
@@ -716,6 +714,24 @@ def test_matmul_narrow_deterministic(rng, monkeypatch):
     for r in (1, M - 1):
         alone = nw.matmul_narrow(dev(a[r:r + 1]), b_dev, bias_dev, out=poisoned((1, 72))).copy_to_host()
         np.testing.assert_array_equal(first[r:r + 1].view(np.uint32), alone.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("N", [72, 71])
+@pytest.mark.parametrize("M", [1, 6])  # 6: two launches of 4 rows on a GPU, one in the simulator
+def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype):
+    """out += a @ b in the reduction (the fused residual) gives the bits of the matmul then the add kernel."""
+    a, b, _, want, tol = linear_case(rng, M, 200, N, dtype, None)
+    x = randn(rng, M, N)
+    a_dev, b_dev = dev(a), dev(b)
+    separate = ew.add(dev(x), nw.matmul_narrow(a_dev, b_dev, out=poisoned((M, N)))).copy_to_host()
+    rt = _RecordingRuntime()
+    fused = nw.matmul_narrow(a_dev, b_dev, out=dev(x), rt=rt, accumulate=True).copy_to_host()
+    np.testing.assert_array_equal(fused.view(np.uint32), separate.view(np.uint32))
+    check(fused, x + want, tol)
+    assert set(rt.launched) == {"matmul_split_k_vec_add" if N % 8 == 0 else "matmul_split_k_add"}
+    with pytest.raises(ValueError, match="give out"):
+        nw.matmul_narrow(a_dev, b_dev, accumulate=True)
 
 
 def test_matmul_narrow_rejects(rng):

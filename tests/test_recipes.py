@@ -37,9 +37,10 @@ def test_seeded_sampling_matches_reference(model, recipe):
 
 
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
-def test_graph_recipe_gives_the_reference_tokens_on_several_prompts(smollm):
-    """The default recipe on a GPU: the step plan replayed as a CUDA graph, the tokens chosen on the GPU."""
-    engine = cuda_engine(smollm, "bf16", "graph")
+@pytest.mark.parametrize("recipe", ["graph", "fused"])
+def test_graph_recipes_give_the_reference_tokens_on_several_prompts(smollm, recipe):
+    """The step plan replayed as a CUDA graph, the tokens chosen on the GPU, with and without the fused residual."""
+    engine = cuda_engine(smollm, "bf16", recipe)
     for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"):
         expected = generate(as_computed(smollm, "bf16"), prompt, backend="numpy", max_new_tokens=32, stop=False)
         assert engine.generate(prompt, max_new_tokens=32, stop=False).token_ids == expected.token_ids, prompt
@@ -48,9 +49,10 @@ def test_graph_recipe_gives_the_reference_tokens_on_several_prompts(smollm):
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU (the plan's sampler is checked against the host's "
                     "in the simulator: test_seeded_sampling_matches_reference)")
 def test_graph_recipe_seeded_sampling_is_reproducible(smollm):
-    engine, other = cuda_engine(smollm, "bf16", "graph"), cuda_engine(smollm, "bf16", "graph8")
+    engine = cuda_engine(smollm, "bf16", "graph")
     kw = dict(max_new_tokens=48, stop=False, temperature=1.0, top_k=40, top_p=0.9, seed=5)
     first = engine.generate("Once upon a time", **kw).token_ids
     assert engine.generate("Once upon a time", **kw).token_ids == first
-    assert other.generate("Once upon a time", **kw).token_ids == first  # eight steps per replay: the same draws
+    for other in ("graph8", "fused"):  # eight steps per replay, the fused residual: the same draws
+        assert cuda_engine(smollm, "bf16", other).generate("Once upon a time", **kw).token_ids == first, other
     assert engine.generate("Once upon a time", **(kw | {"seed": 6})).token_ids != first

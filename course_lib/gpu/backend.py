@@ -38,12 +38,13 @@ OP_CHOICES = {
     "logits": ("transpose", "transposed"),
     # Q/K/V bias: added by its own kernel | added by the matmul's reduction (notebook 02)
     "bias": ("separate", "fused"),
+    # the residual add after the O and down projections: its own kernel | in the matmul's reduction (notebook 05)
+    "residual": ("separate", "fused"),
 }
 BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
 NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
 PAGED = NARROW | {"kv_cache": "paged"}
-# The progression `bench` prints, one step per notebook: same text at every step.
-STEPS = {"baseline": BASELINE, "narrow matmul (02)": NARROW, "paged cache, flash-decoding (03, 04)": PAGED}
+FUSED = PAGED | {"residual": "fused"}
 PAGE_SIZE = 16
 
 
@@ -59,6 +60,9 @@ def resolve_ops(ops: dict | None) -> dict:
         raise ValueError("the paged cache comes after the narrow matmul: use matmul='narrow' with it")
     if chosen["bias"] == "fused" and chosen["matmul"] != "narrow":
         raise ValueError("a fused bias is added by the narrow matmul's reduction: use matmul='narrow' with it")
+    if chosen["residual"] == "fused" and chosen["kv_cache"] != "paged":
+        raise ValueError("a fused residual is added by the narrow matmul's reduction, which only the paged cache's "
+                         "step uses for every row count: use kv_cache='paged' with it")
     return chosen
 
 
@@ -94,7 +98,6 @@ class CudaBackend:
         self.ops = resolve_ops(ops)
         self.paged = self.ops["kv_cache"] == "paged"
         self.rt = Runtime(fast=fast_launch, reuse=self.paged)
-        self.weights_dtype = weights
         self.w = upload_weights(model, self.rt, weights)
         cos, sin = reference.rope_tables(self.config, capacity)
         self.cos, self.sin = self.rt.to_device(cos, persistent=True), self.rt.to_device(sin, persistent=True)
@@ -188,13 +191,11 @@ class CudaBackend:
                 self.v_cache[i] = self._grow(self.v_cache[i], v.reshape(T, c.d_kv))
                 a = k_attention.attention(q, self.k_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim),
                                           self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
-            o = self._linear(rt, reshaped(a, T, c.d_model), lw["wo"], name="o")
-            x = k_elt.add(x, o, out=rt.empty((T, c.d_model), name="x"), rt=rt)
+            x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw["wo"], name="o")
             h = k_elt.rms_norm(x, lw["mlp_norm"], c.rms_eps, out=rt.empty((T, c.d_model), name="h"), rt=rt)
             gate, up = self._linear(rt, h, lw["w_gate"], name="gate"), self._linear(rt, h, lw["w_up"], name="up")
             act = k_elt.silu_mul(gate, up, out=rt.empty((T, c.d_ff), name="act"), rt=rt)
-            x = k_elt.add(x, self._linear(rt, act, lw["w_down"], name="down"), out=rt.empty((T, c.d_model), name="x"),
-                          rt=rt)
+            x = self._add_linear(rt, x, act, lw["w_down"], name="down")
         rows = T if all_logits else 1
         h = k_elt.rms_norm(x if all_logits else x[T - 1:], w["final_norm"], c.rms_eps,
                            out=rt.empty((rows, c.d_model), name="h_final"), rt=rt)
@@ -205,18 +206,27 @@ class CudaBackend:
                                  c.vocab_size, "logits")
         return k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
 
-    def _by_rows(self, rt, f, x, n_out, name):
-        """f(x, out) for a kernel of at most MAX_ROWS rows, into the buffer `name` [rows, n_out]: called once when x
-        has that many rows or fewer, else on slices of MAX_ROWS rows of x and of the output (a row gets the same
-        bits either way)."""
+    def _by_rows(self, rt, f, x, n_out, name, out=None):
+        """f(x, out) for a kernel of at most MAX_ROWS rows, into `out` or else the buffer `name` [rows, n_out]:
+        called once when x has that many rows or fewer, else on slices of MAX_ROWS rows of x and of the output (a
+        row gets the same bits either way)."""
         step = k_narrow.MAX_ROWS
-        y = rt.empty((x.shape[0], n_out), name=name)
+        y = rt.empty((x.shape[0], n_out), name=name) if out is None else out
         if x.shape[0] <= step:
             f(x, y)
             return y
         for r in range(0, x.shape[0], step):
             f(x[r:r + step], y[r:r + step])
         return y
+
+    def _add_linear(self, rt, x, a, weight, name):
+        """x + a @ weight, the residual stream [T, d_model] updated in place: by the narrow matmul's reduction when
+        the residual is fused (one kernel), else a matmul into the buffer `name` then an add kernel."""
+        if self.ops["residual"] == "fused":
+            return self._by_rows(rt, lambda rows, out: k_narrow.matmul_narrow(rows, weight, out=out, rt=rt,
+                                                                              accumulate=True), a, weight.shape[1],
+                                 name, out=x)
+        return k_elt.add(x, self._linear(rt, a, weight, name=name), out=rt.empty(x.shape, name="x"), rt=rt)
 
     def _linear(self, rt, x, weight, bias=None, name=None):
         """x [T, K] @ weight + bias into the buffer `name`, with the chosen matmul; the bias in its own kernel

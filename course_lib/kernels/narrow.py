@@ -128,16 +128,18 @@ def sum_slices(partial, r, n):
 
 # ---- kernel factories: one kernel per (rows, weight kind) ----
 
-def _make_split_k(rows, width, load, bias_f32):
+def _make_split_k(rows, width, load, bias_f32, accumulate):
     """The split-K kernel for R = rows, `width` columns per lane (1, or VEC with 16-byte loads): load(b, k, v,
     per_row) gives the `width` float32 weights of row k, columns width v .. width v + width - 1; bias_f32 reads
-    one bias element."""
+    one bias element; accumulate: add the product to out (out += ...) instead of writing it."""
     group = 32 * width  # columns of a block
 
     def matmul_split_k(a, b, bias, partial, done, out):
-        """out = a [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), through partial [S, R, N]: block
-        (g, s) sums slice s of K for the columns of group g into partial[s]; the group's last block to finish
-        (done[g] counts them) adds the S slices in order, and the bias. Grid (ceil(N / group), S), THREADS."""
+        """out = a [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), or out += that when the kernel
+        accumulates (the residual stream: x + o, rounded once, as an add kernel after the matmul would), through
+        partial [S, R, N]: block (g, s) sums slice s of K for the columns of group g into partial[s]; the group's
+        last block to finish (done[g] counts them) adds the S slices in order, the bias, and out's own value.
+        Grid (ceil(N / group), S), THREADS."""
         sums = cuda.shared.array((WARPS, group), dtype=float32)
         last = cuda.shared.array(1, dtype=int32)
         acc = cuda.local.array((rows, width), dtype=float32)
@@ -187,12 +189,14 @@ def _make_split_k(rows, width, load, bias_f32):
                     total = sum_slices(partial, r, n)
                     if bias.shape[0] > 0:
                         total += bias_f32(bias[n])
+                    if accumulate:
+                        total = out[r, n] + total
                     out[r, n] = total
             if tid == 0:
                 done[g] = 0  # ready for the next launch
 
-    if width == VEC:  # the name profiles and tests see
-        matmul_split_k.__name__ = matmul_split_k.__qualname__ = "matmul_split_k_vec"
+    name = "matmul_split_k" + ("_vec" if width == VEC else "") + ("_add" if accumulate else "")
+    matmul_split_k.__name__ = matmul_split_k.__qualname__ = name  # the name profiles and tests see
     return cuda.jit(matmul_split_k)
 
 
@@ -303,17 +307,18 @@ _TRANSPOSED = {
     "f32x8": lambda rows: _make_transposed_vec(rows, f32x8),
     "bf16x8": lambda rows: _make_transposed_vec(rows, bf16x8),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind) -> kernel, built on first use
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate) -> kernel, built on first use
 
 
-def kernel_for(family: str, kind: str, rows: int, bias: str = "f32"):
+def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
-    R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), built and cached on first use."""
-    key = (family, kind, rows, bias)
+    R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`;
+    built and cached on first use."""
+    key = (family, kind, rows, bias, accumulate)
     if key not in _KERNELS:
         if family == "split_k":
             width, load = _SPLIT_K_LOADS[kind]
-            _KERNELS[key] = _make_split_k(rows, width, load, _READERS[bias])
+            _KERNELS[key] = _make_split_k(rows, width, load, _READERS[bias], accumulate)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows)
     return _KERNELS[key]
@@ -365,10 +370,11 @@ def _transposed_blocks(n: int, per_block: int) -> int:
 
 # ---- host wrappers: stream, a CUDA stream; rt, a course_lib.gpu.runtime.Runtime used instead when given ----
 
-def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
+def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool = False):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
     for 1 <= R <= MAX_ROWS: one split-K kernel per KERNEL_ROWS rows, through the partial sums [S, rows, N] of
-    `partial_sums` (see the top)."""
+    `partial_sums` (see the top). accumulate: out += the product (out required: the residual stream), in the
+    reduction that writes it, without an add kernel."""
     (R, K), (K2, N) = a.shape, b.shape
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"matmul_narrow: a has {R} rows, expected 1 to {MAX_ROWS} (use linear)")
@@ -376,6 +382,8 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
         raise ValueError(f"matmul_narrow: a is {a.shape}, b is {b.shape}, bias {None if bias is None else bias.shape}")
     if out is not None and out.shape != (R, N):
         raise ValueError(f"matmul_narrow: out is {out.shape}, expected {(R, N)}")
+    if accumulate and out is None:
+        raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
     kind = weight_kind(b, vector=N % VEC == 0 and aligned16(b))
     width = VEC if kind.endswith("x8") else 1
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
@@ -387,8 +395,8 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None):
     for r0 in range(0, R, KERNEL_ROWS):  # the launches run one after another on the stream: one scratch for all
         rows = slice(r0, min(R, r0 + KERNEL_ROWS))
         a_rows, out_rows = (a, out) if R <= KERNEL_ROWS else (a[rows], out[rows])
-        launch(kernel_for("split_k", kind, a_rows.shape[0], bias_kind), (groups, slices), THREADS, stream, rt, a_rows,
-               weights, bias, partial, done, out_rows)
+        launch(kernel_for("split_k", kind, a_rows.shape[0], bias_kind, accumulate), (groups, slices), THREADS, stream,
+               rt, a_rows, weights, bias, partial, done, out_rows)
     return out
 
 
