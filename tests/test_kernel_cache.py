@@ -1,12 +1,56 @@
-"""Kernels compiled once per machine (course_lib.kernels._disk_cache): a second process loads what the first
-compiled, and an edit of any kernel source compiles again. On a GPU only: the simulator compiles nothing."""
+"""Kernels compiled once per machine (course_lib.kernels._disk_cache): every process finds the same cache key for
+the same kernel, a second process loads what the first compiled, and an edit of any kernel source compiles again.
+The keys are checked everywhere (the kernels built for the GPU target, not compiled); the cache itself on a GPU:
+the simulator compiles nothing."""
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from course_lib.kernels import SIMULATOR, compiled_once, cuda
 
-pytestmark = pytest.mark.skipif(SIMULATOR, reason="the simulator compiles nothing to cache")
+on_gpu = pytest.mark.skipif(SIMULATOR, reason="the simulator compiles nothing to cache")
+
+KEYS = """
+import hashlib, importlib.util, sys
+spec = importlib.util.spec_from_file_location("course_lib.device", "course_lib/device.py")
+device = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(device)
+device.gpu_available = lambda: True  # the kernels of the GPU target, built (not compiled) without a GPU
+sys.modules["course_lib.device"] = device
+from course_lib.kernels import _disk_cache, elementwise, matmul, narrow, paged_attention
+kernels = {**{f"rms_norm {k}": v for k, v in elementwise._RMS_NORM.items()},
+           **{f"matmul {k}": v for k, v in matmul._MATMUL.items()},
+           **{f"write_rows {k}": v for k, v in paged_attention._WRITE_ROWS.items()}}
+for kind in ("f32", "bf16", "f32x8", "bf16x8"):
+    for rows in (1, 4):
+        kernels[f"split_k {kind} {rows}"] = narrow.kernel_for("split_k", kind, rows)
+        kernels[f"split_k add {kind} {rows}"] = narrow.kernel_for("split_k", kind, rows, "f32", True)
+        kernels[f"transposed {kind} {rows}"] = narrow.kernel_for("transposed", kind, rows)
+for name, kernel in kernels.items():
+    closure = repr(tuple(_disk_cache.describe(c.cell_contents) for c in kernel.py_func.__closure__ or ()))
+    print(name, "|", kernel.py_func.__qualname__, hashlib.sha256(closure.encode()).hexdigest())
+"""
+
+
+def closure_keys() -> dict[str, str]:
+    """{kernel: its qualified name and closure hash}, computed in a fresh process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", KEYS], cwd=root, env=env, capture_output=True, text=True, check=True)
+    return dict(line.split(" | ") for line in out.stdout.splitlines())
+
+
+def test_cache_keys_are_the_same_in_every_process():
+    """Numba's own key pickles the closure, and a device function that calls an intrinsic pickles with a random
+    UUID: the narrow matmuls would be compiled again by every process. describe() names device functions instead;
+    kernels of one factory with different closures still get different keys."""
+    first, second = closure_keys(), closure_keys()
+    assert first == second
+    assert len(set(first.values())) == len(first)  # no two kernels share a key
 
 
 def fresh(kernel):
@@ -24,6 +68,7 @@ def compile_once(kernel):
     return sum(stats.cache_hits.values()), sum(stats.cache_misses.values())
 
 
+@on_gpu
 def test_second_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
     from course_lib.kernels import _disk_cache, copy
 
@@ -36,6 +81,7 @@ def test_second_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
     assert compile_once(fresh(copy.read_grid_stride)) == (0, 1)
 
 
+@on_gpu
 def test_cached_kernel_still_computes(tmp_path, monkeypatch):
     from course_lib.kernels import copy
 
@@ -48,6 +94,7 @@ def test_cached_kernel_still_computes(tmp_path, monkeypatch):
         np.testing.assert_allclose(out.copy_to_host().sum(), x.sum(dtype=np.float64), rtol=1e-4)
 
 
+@on_gpu
 def test_kernels_outside_course_lib_are_left_alone():
     @cuda.jit
     def local(a):

@@ -10,7 +10,7 @@ from course_lib.kernels import SIMULATOR
 from course_lib.kernels.sampling import sample
 from course_lib.measure.profiler import _without_holds, profile_decode
 
-N_NO_CACHE = 5 if SIMULATOR else 400  # tokens generated with and without the cache
+N_NO_CACHE = 5 if SIMULATOR else 300  # tokens generated with and without the cache
 
 
 def test_paged_step_allocates_nothing(tiny):
@@ -65,7 +65,7 @@ def test_cache_equals_no_cache(request, temperature):
             logits = cached.decode(token)
 
 
-N_FULL_PREFILL = 24 if SIMULATOR else 400  # tokens checked against one prefill of the whole sequence (> 16: two
+N_FULL_PREFILL = 24 if SIMULATOR else 300  # tokens checked against one prefill of the whole sequence (> 16: two
 # pages and two 16-row slices of the prefill)
 
 

@@ -75,8 +75,30 @@ class _KernelsCacheImpl(CUDACacheImpl):
     _locator_classes = [_KernelsLocator]
 
 
+def describe(value):
+    """A description of a kernel's closure variable that is the same in every process: a device function by its
+    name and, recursively, its own closure (its code is in source_stamp); other values as they are. Numba
+    pickles the closure instead, and the pickle of a device function that calls an intrinsic (`vector.load16`)
+    carries a random UUID: the kernels of factories (the narrow matmuls, flash-decoding) would never be found."""
+    py_func = getattr(value, "py_func", None)
+    if py_func is not None:
+        cells = py_func.__closure__ or ()
+        return (py_func.__module__, py_func.__qualname__, tuple(describe(c.cell_contents) for c in cells))
+    if isinstance(value, (tuple, list)):
+        return tuple(describe(v) for v in value)
+    return value
+
+
 class KernelsCache(CUDACache):
     _impl_class = _KernelsCacheImpl
+
+    def _index_key(self, sig, codegen):
+        """Numba's key (signature, target, numba-cuda version, (bytecode hash, closure hash), launch config) with
+        the closure hashed from `describe`."""
+        key = super()._index_key(sig, codegen)
+        cells = self._py_func.__closure__ or ()
+        closure = repr(tuple(describe(c.cell_contents) for c in cells))
+        return key[:3] + ((key[3][0], hashlib.sha256(closure.encode()).hexdigest()),) + key[4:]
 
 
 def compiled_once(kernel):
