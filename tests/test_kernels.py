@@ -637,6 +637,7 @@ sys.exit(1 if failed else 0)
 '''
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="on a GPU the kernels compile for real in the tests that run them")
 def test_kernels_compile_for_sm90():
     """Compile every kernel to PTX for compute capability 9.0 (H200), in a subprocess without the simulator:
     the simulator runs kernels as Python and would not notice typing errors or non-constant shared shapes."""

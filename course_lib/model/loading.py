@@ -52,10 +52,17 @@ def cache_dir() -> str:
     return os.environ.get("COURSE_LIB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "course_lib")
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, progress: bool = True) -> Model:
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel, where progress bars would be stored with the notebook's outputs."""
+    return "ipykernel" in sys.modules
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, progress: bool | None = None) -> Model:
     """Load the default model by name (any case, with or without the Hugging Face organization:
     "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"), a .gguf file, or a Hugging Face directory
-    (config.json, *.safetensors, tokenizer.json)."""
+    (config.json, *.safetensors, tokenizer.json). progress: show the download and conversion bars (by default,
+    everywhere but inside a notebook)."""
+    progress = not in_notebook() if progress is None else progress
     if name_or_path.lower() in _DEFAULT_NAMES and not os.path.exists(name_or_path):
         return load_gguf(fetch_default_gguf(progress), progress)
     if os.path.isdir(name_or_path):
