@@ -6,6 +6,7 @@
     print(out.text, out.tokens_per_s)
 """
 
+from .batch import generate_batch
 from .device import by_mode, gpu_available, mode
 from .engine import Engine
 from .generate import Generation, generate
@@ -15,4 +16,4 @@ from .model.tiny import tiny_model
 from .recipes import RECIPES
 
 __all__ = ["DEFAULT_MODEL", "RECIPES", "by_mode", "Engine", "Generation", "Model", "ModelConfig",
-           "UnsupportedModelError", "generate", "gpu_available", "load_model", "mode", "tiny_model"]
+           "UnsupportedModelError", "generate", "generate_batch", "gpu_available", "load_model", "mode", "tiny_model"]

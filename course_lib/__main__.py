@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 from .recipes import RECIPES
 
 
 def _generate(args) -> int:
     from . import device, generate, load_model
+
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise ValueError("give a prompt or --prompts-file FILE (not both)")
+    if args.prompts_file is not None:
+        return _generate_batch(args)
 
     device.announce()
     model = load_model(args.model)
@@ -20,6 +27,55 @@ def _generate(args) -> int:
     print(f"[{len(out.token_ids)} tokens, {out.backend} backend: {out.tokens_per_s:.1f} tokens/s overall, "
           f"decode {out.decode_tokens_per_s:.1f} tokens/s, prefill of {len(out.prompt_ids)} tokens "
           f"{out.prefill_s * 1e3:.0f} ms; stopped by {out.stop_reason}]")
+    return 0
+
+
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a file: one per line, or JSON lines (a string, or an object with a "prompt"); blank lines
+    skipped."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith(("{", '"')):
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
+                item = item.get("prompt") if isinstance(item, dict) else item
+                if not isinstance(item, str):
+                    raise ValueError(f"{path}, line {n}: expected a JSON string or an object with a \"prompt\" string")
+                line = item
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _generate_batch(args) -> int:
+    from tqdm import tqdm
+
+    from . import device, generate_batch, load_model
+
+    device.announce()
+    prompts = read_prompts(args.prompts_file)
+    model = load_model(args.model)
+    bar = tqdm(total=len(prompts), unit="seq", desc="sequences", file=sys.stderr)
+
+    def finished(i, out):
+        bar.write(f"[{i}] {out.text}", file=sys.stdout)
+        bar.update()
+
+    start = time.perf_counter()
+    outs = generate_batch(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, backend=args.backend,
+                          on_finish=finished)
+    bar.close()
+    tokens, seconds = sum(len(o.token_ids) for o in outs), time.perf_counter() - start
+    print(f"[{len(outs)} sequences, {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tokens/s, "
+          f"{outs[0].backend} backend]")
     return 0
 
 
@@ -47,7 +103,6 @@ def _bench(args) -> int:
     device.announce()
     if not device.gpu_available():
         raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")
-    import json
 
     from .measure.bench import format_bench, run_bench
 
@@ -67,7 +122,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text from a prompt, streaming it")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", help="the prompt (or --prompts-file)")
+    g.add_argument("--prompts-file", metavar="FILE", help="many prompts, one a line (or JSON lines), generated "
+                   "together; each answer is printed as it ends")
     g.add_argument("--model", default="SmolLM2-135M-Instruct", help="default model name, .gguf file or HF directory")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)

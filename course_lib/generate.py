@@ -25,6 +25,7 @@ class Generation:
     decode_s: float
     backend: str
     step_s: list[float] = field(default_factory=list, repr=False)  # wall time of each decode step
+    preemptions: int = 0  # times a batch's scheduler took its pages back to recompute it later (course_lib.batch)
 
     @property
     def tokens_per_s(self) -> float:

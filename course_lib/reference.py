@@ -87,7 +87,11 @@ def logits(x: np.ndarray, w: Weights) -> np.ndarray:
 
 
 class KVCache:
-    """Keys and values of every layer for one sequence: k[layer], v[layer] are [capacity, Hkv, hd]."""
+    """Keys and values of every layer for one sequence: k[layer], v[layer] are [capacity, Hkv, hd].
+
+    What `block` asks of a cache: write(layer, positions, k, v) and read(layer, end) (the rows of positions
+    0 .. end - 1); `forward` also reads and sets `length` and reads `capacity`. The batched generator's paged
+    cache (course_lib.batch) offers the same."""
 
     def __init__(self, config: ModelConfig, capacity: int):
         shape = (config.n_layers, capacity, config.n_kv_heads, config.head_dim)
@@ -95,6 +99,15 @@ class KVCache:
         self.v = np.zeros(shape, np.float32)
         self.capacity = capacity
         self.length = 0  # positions filled
+
+    def write(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v [T, Hkv, hd] become the keys and values of `positions` [T]."""
+        self.k[layer, positions] = k
+        self.v[layer, positions] = v
+
+    def read(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) [end, Hkv, hd] of positions 0 .. end - 1."""
+        return self.k[layer, :end], self.v[layer, :end]
 
 
 def block(x: np.ndarray, lw: LayerWeights, config: ModelConfig, layer: int, cache: KVCache,
@@ -106,10 +119,8 @@ def block(x: np.ndarray, lw: LayerWeights, config: ModelConfig, layer: int, cach
     k = linear(h, lw.wk, lw.bk).reshape(T, c.n_kv_heads, c.head_dim)
     v = linear(h, lw.wv, lw.bv).reshape(T, c.n_kv_heads, c.head_dim)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    cache.k[layer, positions] = k
-    cache.v[layer, positions] = v
-    end = positions[-1] + 1
-    a = attention(q, cache.k[layer, :end], cache.v[layer, :end], positions)
+    cache.write(layer, positions, k, v)
+    a = attention(q, *cache.read(layer, positions[-1] + 1), positions)
     x = x + linear(a.reshape(T, c.d_model), lw.wo)
     h = rms_norm(x, lw.mlp_norm, c.rms_eps)
     return x + linear(swiglu(linear(h, lw.w_gate), linear(h, lw.w_up)), lw.w_down)

@@ -46,11 +46,12 @@ class PagedKVCache:
 
     k[layer], v[layer]: device arrays [pages * page_size, n_kv_heads, head_dim], float32 for dtype "f32" or uint16
     holding bf16 bits for dtype "bf16" (allocated once; `rt`, a course_lib.gpu.runtime.Runtime, allocates them when
-    given). max_len: the default longest sequence (pages * page_size when None).
+    given), or NumPy arrays of zeros with host=True (the NumPy reference's batched generator, course_lib.batch).
+    max_len: the default longest sequence (pages * page_size when None).
     """
 
     def __init__(self, config: ModelConfig, pages: int, page_size: int = 16, dtype: str = "f32",
-                 max_len: int | None = None, rt=None):
+                 max_len: int | None = None, rt=None, host: bool = False):
         if dtype not in ("f32", "bf16"):
             raise ValueError(f"dtype must be 'f32' or 'bf16', got {dtype!r}")
         if pages < 1 or page_size < 1:
@@ -59,8 +60,9 @@ class PagedKVCache:
         self.max_len = pages * page_size if max_len is None else max_len
         shape = (pages * page_size, config.n_kv_heads, config.head_dim)
         np_dtype = np.float32 if dtype == "f32" else np.uint16
-        self.k = [empty(shape, np_dtype, rt=rt) for _ in range(config.n_layers)]
-        self.v = [empty(shape, np_dtype, rt=rt) for _ in range(config.n_layers)]
+        table = (lambda: np.zeros(shape, np_dtype)) if host else (lambda: empty(shape, np_dtype, rt=rt))
+        self.k = [table() for _ in range(config.n_layers)]
+        self.v = [table() for _ in range(config.n_layers)]
         self._free = list(range(pages))  # a heap: the lowest free page is taken first
         self._pages: dict[Hashable, list[int]] = {}  # sequence -> its pages, in logical order
         self._length: dict[Hashable, int] = {}  # sequence -> positions reserved

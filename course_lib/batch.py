@@ -1,0 +1,288 @@
+"""Many sequences at once: continuous batching over one paged KV cache (after nano-vllm's scheduler).
+
+    outs = course_lib.generate_batch(model, ["Hello", "Explain a KV cache."], max_new_tokens=64, chat=True)
+
+A `Scheduler` keeps a waiting queue and a running set. Each step it admits waiting sequences while the cache has
+free pages for their prompt (a prefill), then runs one decode step for every running sequence. A finished sequence
+gives its pages back at once, so a waiting one joins the next step. When a running sequence needs a new page and
+none is free, the sequence admitted last is preempted: its pages are freed and it goes back to the front of the
+queue, to be recomputed when pages free up (its prompt as one prefill, then its tokens one step at a time, exactly
+as they were first computed: the same bits, the same continuation).
+
+A sequence's tokens do not depend on what it was batched with: each is sampled from its own logits with its own
+seed at its own position (kernels.sampling), and the NumPy backend computes each sequence's rows as the
+reference does for a sequence alone, over the shared paged cache (`PagedSequence`). On a GPU, where rows of
+several sequences would share each weight read, the batched step is not built yet: the CUDA backend generates the
+sequences one after another with the same seeds, so the results are those a batch must give.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import reference
+from .device import gpu_available
+from .generate import Generation, TextStream, check_request, prompt_ids
+from .gpu.kv_cache import PagedKVCache
+from .kernels.sampling import NO_TOKEN, sample
+from .model.loading import Model
+
+PAGE_SIZE = 16
+
+
+class PagedSequence:
+    """One sequence of a host PagedKVCache, seen as a reference.KVCache: `reference.forward` writes and reads its
+    keys and values through the sequence's pages."""
+
+    def __init__(self, cache: PagedKVCache, seq_id, max_len: int):
+        cache.add(seq_id, max_len)
+        self.cache, self.seq_id, self.capacity = cache, seq_id, max_len
+        self.length = 0  # positions computed
+        self.rows = np.zeros(0, np.int64)  # the cache row (slot) of every position reserved
+
+    def reserve(self, n: int) -> None:
+        """Take the slots of the next n positions (pages from the free list as needed)."""
+        self.rows = np.concatenate([self.rows, self.cache.slots(self.seq_id, n)])
+
+    def write(self, layer, positions, k, v):
+        rows = self.rows[positions]
+        self.cache.k[layer][rows] = k
+        self.cache.v[layer][rows] = v
+
+    def read(self, layer, end):
+        rows = self.rows[:end]
+        return self.cache.k[layer][rows], self.cache.v[layer][rows]
+
+    def free(self) -> None:
+        self.cache.free(self.seq_id)
+
+
+@dataclass
+class Sequence:
+    """A request and its state: its prompt's ids, its sampling settings, its tokens so far."""
+
+    index: int  # position in the list of prompts
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: tuple  # (temperature, top_k, top_p, seed)
+    stops: frozenset
+    tokens: list[int] = field(default_factory=list)
+    kv: PagedSequence | None = None  # while it holds pages
+    admitted_at: float = 0.0
+    times: list[float] = field(default_factory=list)  # wall clock of each token
+    stop_reason: str | None = None  # set when finished
+    preemptions: int = 0
+
+    def pages_to_run(self, page_size: int) -> int:
+        """Pages the sequence needs to compute what it has and one more position."""
+        return -(-(len(self.prompt_ids) + len(self.tokens) + 1) // page_size)
+
+    def take(self, logits: np.ndarray, now: float) -> None:
+        """Sample the next token from `logits` (its position: the sequence's length) and record it."""
+        token = sample(logits, *self.sampling, position=len(self.prompt_ids) + len(self.tokens))
+        if token == NO_TOKEN:
+            self.stop_reason = f"error: NaN in the logits of position {len(self.prompt_ids) + len(self.tokens) - 1}"
+            return
+        self.tokens.append(token)
+        self.times.append(now)
+        if token in self.stops:
+            self.stop_reason = "stop_token"
+        elif len(self.tokens) == self.max_new_tokens:
+            self.stop_reason = "max_new_tokens"
+
+
+class Scheduler:
+    """The waiting queue and the running set of a batch, bounded by the cache's pages and max_running."""
+
+    def __init__(self, cache: PagedKVCache, max_running: int):
+        self.cache, self.max_running = cache, max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def admit(self) -> list[Sequence]:
+        """Waiting sequences that fit, in order, moved to the running set (each still to be prefilled)."""
+        admitted, free = [], self.cache.free_pages  # the pages of those admitted are taken by their prefill
+        while (self.waiting and len(self.running) < self.max_running
+               and self.waiting[0].pages_to_run(self.cache.page_size) <= free):
+            seq = self.waiting.popleft()
+            free -= seq.pages_to_run(self.cache.page_size)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def make_room(self) -> list[Sequence]:
+        """Preempt sequences, last admitted first, until every running one has a slot for its next position."""
+        preempted = []
+        while self._pages_short() > self.cache.free_pages and len(self.running) > 1:
+            seq = self.running.pop()
+            seq.kv.free()
+            seq.kv, seq.preemptions = None, seq.preemptions + 1
+            self.waiting.appendleft(seq)
+            preempted.append(seq)
+        return preempted
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.kv.free()
+        seq.kv = None
+
+    def _pages_short(self) -> int:
+        """New pages the running sequences need for one more position each: one for each whose pages are full."""
+        return sum(len(s.kv.rows) % self.cache.page_size == 0 for s in self.running)
+
+
+class NumpyBatch:
+    """The NumPy reference over several sequences sharing one paged cache of host arrays (the layout of
+    course_lib.gpu.kv_cache.PagedKVCache)."""
+
+    def __init__(self, model: Model, pages: int, max_len: int, page_size: int = PAGE_SIZE):
+        self.model = model
+        self.cache = PagedKVCache(model.config, pages, page_size, max_len=max_len, host=True)
+        self.rope = reference.rope_tables(model.config, max_len)
+
+    def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
+        """The logits [V] of the last of `ids`, the sequence's next positions."""
+        seq.kv.reserve(len(ids))
+        return reference.forward(self.model.weights, self.model.config, np.asarray(ids), seq.kv, self.rope)
+
+    def prefill(self, seq: Sequence) -> np.ndarray:
+        """Compute the sequence from the start as it was first computed: its prompt in one pass, then each of its
+        tokens but the last (the next decode step feeds that one) in a step of its own: a preempted sequence comes
+        back with the same bits. -> the logits of the last position computed."""
+        logits = self.forward(seq, seq.prompt_ids)
+        for token in seq.tokens[:-1]:
+            logits = self.forward(seq, [token])
+        return logits
+
+
+def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,
+                   top_k: int | None = None, top_p: float | None = None, seed: int | list[int] | None = None,
+                   chat: bool = False, backend="auto", stop: bool = True, pages: int | None = None,
+                   max_running: int = 64, on_finish: Callable[[int, Generation], None] | None = None,
+                   ) -> list[Generation]:
+    """One Generation per prompt (a text, or a list of token ids), in the order of `prompts`.
+
+    The arguments are those of course_lib.generate; seed: one for every sequence (each then gives what
+    generate(prompt, seed=seed) gives) or a list, one per prompt (None: fresh seeds). backend: "auto" (NumPy
+    without a GPU), "numpy" or "cuda". pages: pages of 16 positions in the cache shared by the sequences (default:
+    enough for the max_running longest requests to run together); max_running: sequences decoded together at
+    most.
+    on_finish(index, generation) is called as each sequence ends. Bad prompts (empty, out-of-range ids, longer
+    than the context or than the whole cache with max_new_tokens) are reported together, each by its index,
+    before anything runs."""
+    check_request(max_new_tokens, temperature, top_k, top_p, None)
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
+    if not (isinstance(max_running, int) and max_running >= 1):
+        raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
+    seeds = _seeds(seed, len(prompts))
+    c = model.config
+    seqs, problems = [], []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = prompt_ids(model, prompt, chat)
+            need = len(ids) + max_new_tokens
+            if need > c.max_seq_len:
+                raise ValueError(f"{len(ids)} tokens + max_new_tokens {max_new_tokens} exceed the model's context of "
+                                 f"{c.max_seq_len} positions")
+            if pages is not None and need > pages * PAGE_SIZE:
+                raise ValueError(f"{len(ids)} tokens + max_new_tokens {max_new_tokens} exceed the cache's "
+                                 f"{pages} pages of {PAGE_SIZE} positions")
+        except ValueError as e:
+            problems.append(f"prompt {i} ({_excerpt(prompt)}): {e}")
+            continue
+        stops = model.tokenizer.stop_ids if stop else frozenset()
+        seqs.append(Sequence(i, ids, max_new_tokens, (temperature, top_k, top_p, seeds[i]), stops))
+    if problems:
+        raise ValueError("bad prompts, nothing was generated:\n  " + "\n  ".join(problems))
+    if pages is None:
+        pages = sum(sorted(-(-(len(s.prompt_ids) + max_new_tokens) // PAGE_SIZE) for s in seqs)[-max_running:])
+    if backend == "cuda" or (backend == "auto" and gpu_available()):
+        return _one_at_a_time(model, seqs, backend, on_finish)
+    if backend not in ("numpy", "auto"):
+        raise ValueError(f"unknown backend {backend!r} (backends: auto, numpy, cuda)")
+    return _continuous(model, seqs, pages, max_running, on_finish)
+
+
+def _continuous(model, seqs, pages, max_running, on_finish) -> list[Generation]:
+    """The NumPy backend under the scheduler: admit and prefill, one decode step for all, finish, repeat."""
+    runner = NumpyBatch(model, pages, model.config.max_seq_len)
+    scheduler = Scheduler(runner.cache, max_running)
+    scheduler.waiting.extend(seqs)
+    results: dict[int, Generation] = {}
+
+    def done(seq):
+        scheduler.finish(seq)
+        results[seq.index] = _generation(model, seq, "numpy (continuous batching)")
+        if on_finish is not None:
+            on_finish(seq.index, results[seq.index])
+
+    while scheduler.waiting or scheduler.running:
+        for seq in scheduler.admit():
+            seq.kv = PagedSequence(runner.cache, seq.index, len(seq.prompt_ids) + seq.max_new_tokens)
+            seq.admitted_at = seq.admitted_at or time.perf_counter()
+            logits = runner.prefill(seq)
+            if not seq.tokens:  # a preempted sequence has its next token already
+                seq.take(logits, time.perf_counter())
+        for seq in [s for s in scheduler.running if s.stop_reason]:
+            done(seq)
+        if not scheduler.running:
+            if scheduler.waiting:  # unreachable: a sequence alone always fits (checked before anything ran)
+                raise RuntimeError("the cache cannot hold the next waiting sequence")
+            continue
+        scheduler.make_room()
+        for seq in list(scheduler.running):
+            seq.take(runner.forward(seq, [seq.tokens[-1]]), time.perf_counter())
+        for seq in [s for s in scheduler.running if s.stop_reason]:
+            done(seq)
+    return [results[s.index] for s in seqs]
+
+
+def _one_at_a_time(model, seqs, backend, on_finish) -> list[Generation]:
+    """The CUDA backend: the sequences one after another on the engine (the batched GPU step is still to come)."""
+    from .engine import engine_for
+
+    engine, results = engine_for(model, "cuda" if backend == "auto" else backend), []
+    for seq in seqs:
+        temperature, top_k, top_p, seed = seq.sampling
+        out = engine.generate(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, stop=bool(seq.stops))
+        out.backend += ", one sequence at a time"
+        results.append(out)
+        if on_finish is not None:
+            on_finish(seq.index, out)
+    return results
+
+
+def _generation(model, seq: Sequence, backend: str) -> Generation:
+    text = TextStream(model.tokenizer)
+    for token in seq.tokens:
+        if token not in seq.stops:
+            text.push(token)
+    text.close()
+    times = seq.times or [seq.admitted_at]
+    return Generation(seq.prompt_ids, seq.tokens, text.text, seq.stop_reason, times[0] - seq.admitted_at,
+                      times[-1] - times[0], backend, list(np.diff(times)), seq.preemptions)
+
+
+def _seeds(seed, n: int) -> list[int]:
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != n:
+            raise ValueError(f"{len(seed)} seeds for {n} prompts")
+        seeds = list(seed)
+    else:
+        seeds = [seed] * n
+    for s in seeds:
+        check_request(1, 0.0, None, None, s)
+    return [secrets.randbits(63) if s is None else int(s) % 2**63 for s in seeds]
+
+
+def _excerpt(prompt) -> str:
+    text = repr(prompt if isinstance(prompt, str) else list(prompt)[:8])
+    return text if len(text) <= 40 else text[:37] + "..."

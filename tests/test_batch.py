@@ -1,0 +1,126 @@
+"""Many sequences at once (course_lib.batch): each sequence's tokens are those it gets alone, whatever it is batched
+with, however tight the cache (preempted and recomputed), greedy and seeded; bad prompts named before anything
+runs; the command line's --prompts-file. On the tiny model with the NumPy backend (fast everywhere)."""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+
+from course_lib import __main__ as cli
+from course_lib import generate, generate_batch
+from course_lib.batch import PAGE_SIZE, PagedSequence, Scheduler, Sequence
+from course_lib.gpu.kv_cache import PagedKVCache
+from course_lib.kernels import SIMULATOR
+
+PROMPTS = ["Hi", "the cat", list(range(5, 22)), "x"]  # 17 ids: more than a page
+GREEDY = dict(max_new_tokens=40, stop=False)
+SEEDED = dict(max_new_tokens=30, temperature=1.0, stop=False)
+
+
+def alone(model, prompts, **kw):
+    return [generate(model, p, backend="numpy", **kw).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("pages,max_running", [(None, 64), (6, 64), (4, 2), (None, 1)],
+                         ids=["roomy", "tight", "tighter", "one-at-a-time"])
+@pytest.mark.parametrize("kw", [GREEDY, SEEDED | {"seed": 4}], ids=["greedy", "seeded"])
+def test_tokens_are_those_of_each_prompt_alone(tiny, kw, pages, max_running):
+    """(The tiny model's greedy text repeats tokens: a position off by one could hide there, not in sampled text,
+    whose draws are keyed by position.)"""
+    outs = generate_batch(tiny, PROMPTS, backend="numpy", pages=pages, max_running=max_running, **kw)
+    assert [o.token_ids for o in outs] == alone(tiny, PROMPTS, **kw)
+    assert all(o.stop_reason == "max_new_tokens" and o.text == tiny.tokenizer.decode(o.token_ids) for o in outs)
+    if pages is not None:  # too few pages for all at once: sequences were preempted and recomputed
+        assert sum(o.preemptions for o in outs) > 0
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch(tiny):
+    first = generate_batch(tiny, PROMPTS[:2], backend="numpy", seed=[5, 6], **SEEDED)
+    other = generate_batch(tiny, [PROMPTS[0], PROMPTS[2], PROMPTS[3]], backend="numpy", seed=[5, 9, 1], pages=5,
+                           max_running=2, **SEEDED)
+    assert first[0].token_ids == other[0].token_ids == alone(tiny, PROMPTS[:1], seed=5, **SEEDED)[0]
+    assert first[1].token_ids == alone(tiny, PROMPTS[1:2], seed=6, **SEEDED)[0]
+    same_seed = generate_batch(tiny, PROMPTS[:2], backend="numpy", seed=5, **SEEDED)
+    assert same_seed[1].token_ids == alone(tiny, PROMPTS[1:2], seed=5, **SEEDED)[0]
+
+
+def test_each_sequence_reported_as_it_ends(tiny):
+    ended = []
+    outs = generate_batch(tiny, PROMPTS, backend="numpy", max_new_tokens=3, on_finish=lambda i, o: ended.append((i, o)))
+    assert sorted(i for i, _ in ended) == [0, 1, 2, 3]
+    assert all(outs[i] is o for i, o in ended)
+
+
+def test_stop_tokens_end_a_sequence(tiny):
+    """A sequence that meets an end token stops there, the token kept in its ids and out of its text; the other
+    goes on."""
+    greedy = alone(tiny, PROMPTS[:2], max_new_tokens=8, stop=False)
+    end = greedy[0][3]
+    tokenizer = copy.copy(tiny.tokenizer)
+    tokenizer.stop_ids = frozenset([end])
+    outs = generate_batch(dataclasses.replace(tiny, tokenizer=tokenizer), PROMPTS[:2], backend="numpy",
+                          max_new_tokens=8)
+    assert outs[0].token_ids == greedy[0][:greedy[0].index(end) + 1] and outs[0].stop_reason == "stop_token"
+    assert outs[0].text == tiny.tokenizer.decode(outs[0].token_ids[:-1])
+    if end not in greedy[1]:
+        assert outs[1].token_ids == greedy[1]
+
+
+def test_scheduler_admits_by_free_pages_and_gives_them_back(tiny):
+    cache = PagedKVCache(tiny.config, 4, PAGE_SIZE, host=True)
+    scheduler = Scheduler(cache, max_running=8)
+    seqs = [Sequence(i, [1] * n, 8, (0.0, None, None, 0), frozenset()) for i, n in enumerate([20, 40, 5])]
+    scheduler.waiting.extend(seqs)
+    assert scheduler.admit() == seqs[:1]  # 2 pages; the next needs 3 of the 2 left: it waits, and so does the third
+    assert [s.index for s in scheduler.waiting] == [1, 2]
+    scheduler.finish(_prefilled(cache, seqs[0]))
+    assert cache.free_pages == 4 and scheduler.admit() == seqs[1:]  # 3 + 1 pages
+
+
+def _prefilled(cache, seq):
+    """seq given its pages, as the prefill takes them."""
+    seq.kv = PagedSequence(cache, seq.index, 64)
+    seq.kv.reserve(len(seq.prompt_ids) + 1)
+    return seq
+
+
+@pytest.mark.parametrize("prompts,kw,match", [
+    (["Hi", ""], {}, r"prompt 1 \(''\): the prompt is empty"),
+    (["Hi", [1, 10**6]], {}, "prompt 1 .*out of range"),
+    (["Hi", "x" * 3], {"max_new_tokens": 10**6}, "prompt 0 .*context"),
+    (["Hi", list(range(1, 60))], {"pages": 2}, "prompt 1 .*cache's 2 pages"),
+    ("Hi", {}, "list of prompts"),
+    ([], {}, "list of prompts"),
+    (["Hi", "x"], {"seed": [1]}, "1 seeds for 2 prompts"),
+    (["Hi"], {"max_running": 0}, "max_running"),
+    (["Hi"], {"backend": "tpu"}, "unknown backend"),
+])
+def test_bad_input_is_a_clear_error(tiny, prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        generate_batch(tiny, prompts, **({"max_new_tokens": 4, "backend": "numpy"} | kw))
+
+
+def test_cli_prompts_file(tmp_path, tiny, monkeypatch, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("Hi\n\n" + json.dumps({"prompt": "the cat"}) + "\n" + json.dumps("x") + "\n")
+    assert cli.read_prompts(str(path)) == ["Hi", "the cat", "x"]
+    monkeypatch.setattr("course_lib.load_model", lambda name: tiny)
+    assert cli.main(["generate", "--prompts-file", str(path), "--max-new-tokens", "3", "--backend", "numpy"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(line[:3] for line in out if line.startswith("[") and "]" in line[:4]) == ["[0]", "[1]", "[2]"]
+    assert out[-1].startswith("[3 sequences, ")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    assert cli.main(["generate", "--prompts-file", str(bad)]) == 2
+    assert "line 1" in capsys.readouterr().err
+    assert cli.main(["generate"]) == 2
+
+
+@pytest.mark.skipif(SIMULATOR, reason="the CUDA backend in the simulator: minutes per sequence")
+def test_cuda_backend_gives_each_prompt_its_own_tokens(smollm):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    kw = dict(max_new_tokens=16, stop=False, temperature=0.8, seed=3)
+    outs = generate_batch(smollm, prompts, backend="cuda", **kw)
+    assert [o.token_ids for o in outs] == [generate(smollm, p, backend="cuda", **kw).token_ids for p in prompts]
