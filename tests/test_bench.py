@@ -1,0 +1,31 @@
+"""The bench command: refused plainly without a GPU (simulator timings mean nothing); its table, from the results
+recorded on the H200 (data/06_launches_h200.json), shows every recipe and peer. On a GPU notebook 06 runs it."""
+
+import json
+import pathlib
+
+import pytest
+
+from course_lib import __main__ as cli
+from course_lib import gpu_available
+from course_lib.measure.bench import format_bench
+from course_lib.recipes import RECIPES
+
+RECORDED = pathlib.Path(__file__).resolve().parents[1] / "data" / "06_launches_h200.json"
+
+
+def test_recorded_results_format_as_a_table():
+    result = json.loads(RECORDED.read_text())["bench"]
+    lines = format_bench(result).splitlines()
+    assert [row["recipe"] for row in result["rows"]] == list(RECIPES)  # the recorded run has every recipe
+    for row in result["rows"]:
+        [line] = [x for x in lines if x.startswith(row["recipe"] + " ")]
+        assert f"{row['tokens_per_s']:.1f}" in line and line.endswith("yes")
+    for mode in result["peers"]:
+        assert any(x.startswith(f"torch {mode} ") for x in lines)
+
+
+@pytest.mark.skipif(gpu_available(), reason="with a GPU bench runs: notebook 06")
+def test_bench_without_a_gpu_is_a_clear_error(capsys):
+    assert cli.main(["bench", "--model", "tiny"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
