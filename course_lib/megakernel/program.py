@@ -1,0 +1,133 @@
+"""The instruction list of one decode step: what a persistent megakernel interprets, and its NumPy twin runs.
+
+A step is cut into instructions, each a fused operation on a slice of work, with the instructions it waits for
+(after Hazy Research's low-latency megakernel). For layer l:
+
+    qkv(l, head)        the layer's RMSNorm of x, then x's projection onto one head of Q, K or V (+ bias), RoPE
+                        for Q and K, and K, V written into the cache at the current position
+    attention(l, g)     the query heads of KV group g against the cache, rows 0 .. position
+    o_proj(l, cols)     x[cols] += attn @ Wo[:, cols]          (the residual added in the reduction)
+    gate_up(l, cols)    act[cols] = SiLU(norm(x) @ Wg[:, cols]) * (norm(x) @ Wu[:, cols])
+    down(l, cols)       x[cols] += act @ Wd[:, cols]
+
+then logits(cols) (the final norm and the output head, by vocabulary slice) and sample (the next token, its
+position), after embed (x from the token). Every instruction declares the regions of the named buffers it reads and
+writes (`Access`): `check_dependencies` proves that any two instructions touching one region, one of them writing,
+are ordered by the dependencies, so that a block may start an instruction as soon as what it waits for is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Access:
+    """Elements start .. stop - 1 of a named buffer. The KV cache is indexed by (layer, KV head): index
+    layer * n_kv_heads + head stands for all the rows of that head in that layer."""
+
+    buffer: str
+    start: int
+    stop: int
+
+    def overlaps(self, other: Access) -> bool:
+        return self.buffer == other.buffer and self.start < other.stop and other.start < self.stop
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: str  # embed, qkv, attention, o_proj, gate_up, down, logits, sample
+    layer: int  # -1 outside the layers
+    start: int  # the slice of work: heads (qkv over the Q, K, V heads in turn; attention over KV groups) or
+    stop: int  # output columns (o_proj, gate_up, down, logits)
+    deps: tuple[int, ...]  # indices of the instructions this one waits for
+    reads: tuple[Access, ...]
+    writes: tuple[Access, ...]
+
+    def __str__(self):
+        where = f"layer {self.layer}, " if self.layer >= 0 else ""
+        return f"{self.op}({where}{self.start}:{self.stop})"
+
+
+def slices(n: int, width: int) -> list[tuple[int, int]]:
+    """[0, n) cut in slices of `width` (the last one may be shorter)."""
+    return [(s, min(n, s + width)) for s in range(0, n, width)]
+
+
+def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -> list[Instruction]:
+    """The instructions of one decode step, in an order the dependencies allow. cols: output columns per
+    o_proj, gate_up and down instruction; vocab_cols: per logits instruction."""
+    c = config
+    H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    group = H // Hkv
+    program: list[Instruction] = []
+
+    def add(op, layer, start, stop, deps, reads, writes) -> int:
+        program.append(Instruction(op, layer, start, stop, tuple(deps), tuple(reads), tuple(writes)))
+        return len(program) - 1
+
+    x_all = Access("x", 0, c.d_model)
+    embed = add("embed", -1, 0, c.d_model, [], [Access("token", 0, 1)], [x_all])
+    before = [embed]  # what the next layer's first instructions wait for: every writer of x
+    for layer in range(c.n_layers):
+        kv = layer * Hkv
+        heads = []
+        for h in range(H + 2 * Hkv):  # Q heads, then K heads, then V heads
+            if h < H:
+                out = Access("q", h * hd, (h + 1) * hd)
+            elif h < H + Hkv:
+                out = Access("k_cache", kv + h - H, kv + h - H + 1)
+            else:
+                out = Access("v_cache", kv + h - H - Hkv, kv + h - H - Hkv + 1)
+            heads.append(add("qkv", layer, h, h + 1, before, [x_all, Access("position", 0, 1)], [out]))
+        attention = []
+        for g in range(Hkv):
+            waits = [heads[q] for q in range(g * group, (g + 1) * group)] + [heads[H + g], heads[H + Hkv + g]]
+            heads_of_g = (g * group * hd, (g + 1) * group * hd)
+            attention.append(add("attention", layer, g, g + 1, waits,
+                                 [Access("q", *heads_of_g), Access("k_cache", kv + g, kv + g + 1),
+                                  Access("v_cache", kv + g, kv + g + 1), Access("position", 0, 1)],
+                                 [Access("attn", *heads_of_g)]))
+        o_proj = [add("o_proj", layer, s, e, attention, [Access("attn", 0, H * hd), Access("x", s, e)],
+                      [Access("x", s, e)]) for s, e in slices(c.d_model, cols)]
+        gate_up = [add("gate_up", layer, s, e, o_proj, [x_all], [Access("act", s, e)])
+                   for s, e in slices(c.d_ff, cols)]
+        before = [add("down", layer, s, e, gate_up, [Access("act", 0, c.d_ff), Access("x", s, e)],
+                      [Access("x", s, e)]) for s, e in slices(c.d_model, cols)]
+    logits = [add("logits", -1, s, e, before, [x_all], [Access("logits", s, e)])
+              for s, e in slices(c.vocab_size, vocab_cols)]
+    add("sample", -1, 0, 1, logits, [Access("logits", 0, c.vocab_size), Access("position", 0, 1)],
+        [Access("token", 0, 1), Access("position", 0, 1)])
+    return program
+
+
+def ancestors(program: list[Instruction]) -> list[int]:
+    """For each instruction, the set of instructions it waits for, directly or not, as a bit mask."""
+    masks = []
+    for i, ins in enumerate(program):
+        if any(d >= i for d in ins.deps):
+            raise ValueError(f"instruction {i} ({ins}) waits for a later one: the list is not in dependency order")
+        m = 0
+        for d in ins.deps:
+            m |= masks[d] | (1 << d)
+        masks.append(m)
+    return masks
+
+
+def check_dependencies(program: list[Instruction]) -> list[tuple[int, int, str]]:
+    """The pairs (i, j, buffer) of instructions that touch one region, one writing it, with neither waiting for
+    the other: empty when the dependencies are complete (any order they allow computes the same step)."""
+    masks, missing = ancestors(program), []
+    for j, b in enumerate(program):
+        for i in range(j):
+            if masks[j] >> i & 1:
+                continue
+            a = program[i]
+            for x, y in ((a.writes, b.reads + b.writes), (a.reads, b.writes)):
+                clash = next((p.buffer for p in x for q in y if p.overlaps(q)), None)
+                if clash:
+                    missing.append((i, j, clash))
+                    break
+    return missing
