@@ -7,7 +7,18 @@ import pytest
 from checks import logit_tolerance
 
 from course_lib import generate, reference
-from course_lib.megakernel import Twin, TwinState, build_program, check_dependencies, first_difference, random_order
+from course_lib.megakernel import (
+    Twin,
+    TwinState,
+    assign,
+    build_program,
+    check_dependencies,
+    cost,
+    encode,
+    first_difference,
+    random_order,
+    simulate,
+)
 from course_lib.megakernel.program import ancestors
 from course_lib.model.config import LLAMA_32_1B, SMOLLM2_135M
 
@@ -88,3 +99,65 @@ def test_first_difference_names_an_injected_fault(tiny, rng):
 
     index, ins, diff = first_difference(twin.program, clean, step(fault), 1e-6)
     assert index == target and diff > 0 and str(ins).startswith("gate_up(layer 1")
+
+
+# ---- the blocks' queues (course_lib.megakernel.schedule) ----
+
+def critical_path(program, seconds) -> float:
+    end = np.zeros(len(program))
+    for i, ins in enumerate(program):
+        end[i] = max((end[d] for d in ins.deps), default=0.0) + seconds[i]
+    return float(end.max())
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 16])
+def test_assignment_runs_every_instruction_once_in_dependency_order(tiny, blocks):
+    program = build_program(tiny.config, cols=16)
+    seconds = cost(program, tiny.config, blocks, 1e11, context=32)
+    schedule = assign(program, seconds, blocks)
+    assert sorted(i for q in schedule.queues for i in q) == list(range(len(program)))
+    assert all(q == sorted(q) for q in schedule.queues)
+    for i, ins in enumerate(program):  # an instruction starts after everything it waits for has ended
+        assert all(schedule.end[i] - seconds[i] >= schedule.end[d] - 1e-15 for d in ins.deps)
+    assert schedule.makespan >= max(seconds.sum() / blocks, critical_path(program, seconds)) - 1e-12
+    if blocks == 1:
+        assert schedule.makespan == pytest.approx(seconds.sum()) and schedule.idle[0] == 0
+
+
+def test_encoded_arrays_hold_the_program(tiny):
+    program = build_program(tiny.config)
+    schedule = assign(program, np.ones(len(program)), 4)
+    enc = encode(program, schedule.queues)
+    for i, ins in enumerate(program):
+        assert tuple(enc["ops"][i, 1:]) == (ins.layer, ins.start, ins.stop)
+        assert tuple(enc["deps"][enc["deps_start"][i]:enc["deps_start"][i + 1]]) == ins.deps
+    for b, q in enumerate(schedule.queues):
+        assert enc["queue"][enc["queue_start"][b]:enc["queue_start"][b + 1]].tolist() == q
+    assert all(a.dtype == np.int32 for a in enc.values())
+
+
+def test_queues_out_of_program_order_can_deadlock(tiny):
+    program = build_program(tiny.config)
+    n = len(program)
+    queues = [[n - 1] + list(range(n - 1))]  # sample first: it waits for what comes after it in its own queue
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate(program, queues, np.ones(n))
+    with pytest.raises(RuntimeError, match="deadlock"):
+        Twin(tiny, CAPACITY).run_queues(TwinState.empty(tiny, CAPACITY), queues, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="program order"):
+        encode(program, queues)
+
+
+def test_blocks_running_their_queues_compute_the_step(model, rng):
+    """The twin run as the persistent kernel would run it (each block its queue, at arbitrary relative speeds,
+    waiting on the done flags) gives the bits of the program order."""
+    twin = Twin(model, CAPACITY)
+    queues = assign(twin.program, rng.random(len(twin.program)), 5).queues
+    by_blocks, in_order = TwinState.empty(model, CAPACITY), TwinState.empty(model, CAPACITY)
+    for i, token in enumerate([7, 3, 11]):
+        for state in (by_blocks, in_order):
+            state.token[0], state.position[0] = token, i
+        twin.run_queues(by_blocks, queues, rng)
+        twin.run(in_order)
+        np.testing.assert_array_equal(by_blocks.logits, in_order.logits)
+        np.testing.assert_array_equal(by_blocks.k_cache, in_order.k_cache)

@@ -105,6 +105,22 @@ class Twin:
             self.execute(self.program[i], state)
         return state
 
+    def run_queues(self, state: TwinState, queues: list[list[int]], rng: np.random.Generator) -> TwinState:
+        """One decode step as the persistent kernel runs it: each block takes the instructions of its queue in order,
+        each once everything it waits for is done; at every turn a random block among those that can go does (the
+        blocks' relative speeds are arbitrary). Raises if they deadlock."""
+        done, nxt = np.zeros(len(self.program), bool), [0] * len(queues)
+        for _ in range(len(self.program)):
+            can_go = [b for b, q in enumerate(queues)
+                      if nxt[b] < len(q) and all(done[d] for d in self.program[q[nxt[b]]].deps)]
+            if not can_go:
+                raise RuntimeError("deadlock: every block waits for an instruction that never runs")
+            b = can_go[int(rng.integers(len(can_go)))]
+            i = queues[b][nxt[b]]
+            self.execute(self.program[i], state)
+            done[i], nxt[b] = True, nxt[b] + 1
+        return state
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling=(0.0, None, None, 0),
                  stop_ids=frozenset(), order_rng: np.random.Generator | None = None) -> list[int]:
         """Tokens after the prompt, every position a decode step of the program (the prompt fed one token at a

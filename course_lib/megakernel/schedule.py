@@ -1,0 +1,104 @@
+"""Instructions assigned to the blocks of a persistent kernel ahead of time, encoded as the arrays the kernel reads.
+
+Each block of the megakernel runs its own queue of instructions, in order; before an instruction it waits until
+every instruction it depends on is marked done (a flag per instruction, set after a memory fence). A block only
+ever waits for an instruction that comes earlier in the program, and every queue is in program order: the
+earliest instruction not yet done is never waiting, so the blocks cannot deadlock, whatever their speeds.
+
+`assign` is a list scheduler: instructions in program order, each to the block that can start it first, from an
+estimate of each instruction's time (`cost`: the bytes it reads at a block's share of the bandwidth, plus a fixed
+cost); `simulate` replays an assignment with those estimates (the time each instruction ends, each block's idle
+time), and `encode` writes the queues and the dependency lists as int32 arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model.config import ModelConfig
+from .program import Instruction
+
+OPCODES = {"embed": 0, "qkv": 1, "attention": 2, "o_proj": 3, "gate_up": 4, "down": 5, "logits": 6, "sample": 7}
+
+
+def bytes_read(ins: Instruction, config: ModelConfig, context: int, weight_bytes: int = 2) -> int:
+    """Bytes of weights and cache an instruction reads (activations are small: they come from the L2 cache)."""
+    c, n = config, ins.stop - ins.start
+    if ins.op == "qkv":
+        return c.d_model * c.head_dim * weight_bytes
+    if ins.op == "attention":
+        return 2 * context * c.head_dim * weight_bytes  # keys and values of one KV head
+    if ins.op in ("o_proj", "down"):
+        return (c.d_model if ins.op == "o_proj" else c.d_ff) * n * weight_bytes
+    if ins.op == "gate_up":
+        return 2 * c.d_model * n * weight_bytes
+    if ins.op == "logits":
+        return c.d_model * n * weight_bytes
+    return c.d_model * weight_bytes if ins.op == "embed" else c.vocab_size * 4
+
+
+def cost(program: list[Instruction], config: ModelConfig, blocks: int, bandwidth: float, context: int,
+         fixed_s: float = 1e-6, weight_bytes: int = 2) -> np.ndarray:
+    """Estimated seconds of each instruction on one block: its bytes at bandwidth / blocks, plus fixed_s."""
+    return np.array([bytes_read(ins, config, context, weight_bytes) * blocks / bandwidth + fixed_s
+                     for ins in program])
+
+
+@dataclass
+class Schedule:
+    queues: list[list[int]]  # per block, instruction indices in program order
+    end: np.ndarray  # estimated end time of each instruction, seconds
+    idle: np.ndarray  # per block, seconds spent waiting for dependencies
+
+    @property
+    def makespan(self) -> float:
+        return float(self.end.max())
+
+
+def simulate(program: list[Instruction], queues: list[list[int]], seconds: np.ndarray) -> Schedule:
+    """Replay the queues with the estimated times: each block takes its next instruction when it is free and
+    when everything the instruction waits for has ended."""
+    end = np.full(len(program), np.nan)
+    free, idle, nxt = np.zeros(len(queues)), np.zeros(len(queues)), [0] * len(queues)
+    for _ in range(len(program)):
+        ready = [(max(free[b], max((end[d] for d in program[q[nxt[b]]].deps), default=0.0)), b)
+                 for b, q in enumerate(queues) if nxt[b] < len(q)
+                 and all(not np.isnan(end[d]) for d in program[q[nxt[b]]].deps)]
+        if not ready:
+            raise ValueError("the queues deadlock: every block waits for an instruction that never runs")
+        start, b = min(ready)
+        i = queues[b][nxt[b]]
+        idle[b] += start - free[b]
+        end[i] = free[b] = start + seconds[i]
+        nxt[b] += 1
+    return Schedule(queues, end, idle)
+
+
+def assign(program: list[Instruction], seconds: np.ndarray, blocks: int) -> Schedule:
+    """List scheduling in program order: each instruction to the block that can start it first."""
+    end, free, queues = np.zeros(len(program)), np.zeros(blocks), [[] for _ in range(blocks)]
+    for i, ins in enumerate(program):
+        ready = max((end[d] for d in ins.deps), default=0.0)
+        b = int(np.argmin(np.maximum(free, ready)))
+        end[i] = free[b] = max(free[b], ready) + seconds[i]
+        queues[b].append(i)
+    return simulate(program, queues, seconds)
+
+
+def encode(program: list[Instruction], queues: list[list[int]]) -> dict[str, np.ndarray]:
+    """The arrays a persistent kernel reads, all int32:
+    ops [n, 4]: (opcode, layer, start, stop) of each instruction; deps_start [n + 1], deps [total]: instruction
+    i waits for deps[deps_start[i]:deps_start[i + 1]]; queue_start [blocks + 1], queue [n]: block b runs
+    queue[queue_start[b]:queue_start[b + 1]], in that order."""
+    ops = np.array([(OPCODES[i.op], i.layer, i.start, i.stop) for i in program], np.int32)
+    deps_start = np.cumsum([0] + [len(i.deps) for i in program]).astype(np.int32)
+    deps = np.array([d for i in program for d in i.deps], np.int32)
+    queue_start = np.cumsum([0] + [len(q) for q in queues]).astype(np.int32)
+    queue = np.array([i for q in queues for i in q], np.int32)
+    if sorted(queue.tolist()) != list(range(len(program))):
+        raise ValueError("every instruction must be in exactly one queue")
+    if any(q != sorted(q) for q in queues):
+        raise ValueError("a queue out of program order could deadlock")
+    return {"ops": ops, "deps_start": deps_start, "deps": deps, "queue_start": queue_start, "queue": queue}
