@@ -31,8 +31,8 @@ def _generate(args) -> int:
 
 
 def read_prompts(path: str) -> list[str]:
-    """The prompts of a file: one per line, or JSON lines (a string, or an object with a "prompt"); blank lines
-    skipped."""
+    """The prompts of a file: one per line, or JSON lines (a string, or an object with a "prompt"): a line that is
+    valid JSON is read as JSON, any other line as plain text; blank lines skipped."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -42,8 +42,8 @@ def read_prompts(path: str) -> list[str]:
             if line.lstrip().startswith(("{", '"')):
                 try:
                     item = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
+                except json.JSONDecodeError:
+                    item = line  # plain text that starts like JSON
                 item = item.get("prompt") if isinstance(item, dict) else item
                 if not isinstance(item, str):
                     raise ValueError(f"{path}, line {n}: expected a JSON string or an object with a \"prompt\" string")

@@ -107,7 +107,8 @@ class Scheduler:
 
     def admit(self) -> list[Sequence]:
         """Waiting sequences that fit, in order, moved to the running set (each still to be prefilled)."""
-        admitted, free = [], self.cache.free_pages  # the pages of those admitted are taken by their prefill
+        # the pages of those admitted are taken by their prefill; the running ones may each need one more this step
+        admitted, free = [], self.cache.free_pages - self._pages_short()
         while (self.waiting and len(self.running) < self.max_running
                and self.waiting[0].pages_to_run(self.cache.page_size) <= free):
             seq = self.waiting.popleft()
@@ -181,6 +182,8 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
         raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
     if not (isinstance(max_running, int) and max_running >= 1):
         raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
+    if backend not in ("auto", "numpy", "cuda"):
+        raise ValueError(f"unknown backend {backend!r} (backends: auto, numpy, cuda)")
     seeds = _seeds(seed, len(prompts))
     c = model.config
     seqs, problems = [], []
@@ -194,7 +197,7 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
             if pages is not None and need > pages * PAGE_SIZE:
                 raise ValueError(f"{len(ids)} tokens + max_new_tokens {max_new_tokens} exceed the cache's "
                                  f"{pages} pages of {PAGE_SIZE} positions")
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             problems.append(f"prompt {i} ({_excerpt(prompt)}): {e}")
             continue
         stops = model.tokenizer.stop_ids if stop else frozenset()
@@ -205,8 +208,6 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
         pages = sum(sorted(-(-(len(s.prompt_ids) + max_new_tokens) // PAGE_SIZE) for s in seqs)[-max_running:])
     if backend == "cuda" or (backend == "auto" and gpu_available()):
         return _one_at_a_time(model, seqs, backend, on_finish)
-    if backend not in ("numpy", "auto"):
-        raise ValueError(f"unknown backend {backend!r} (backends: auto, numpy, cuda)")
     return _continuous(model, seqs, pages, max_running, on_finish)
 
 
@@ -232,9 +233,7 @@ def _continuous(model, seqs, pages, max_running, on_finish) -> list[Generation]:
                 seq.take(logits, time.perf_counter())
         for seq in [s for s in scheduler.running if s.stop_reason]:
             done(seq)
-        if not scheduler.running:
-            if scheduler.waiting:  # unreachable: a sequence alone always fits (checked before anything ran)
-                raise RuntimeError("the cache cannot hold the next waiting sequence")
+        if not scheduler.running:  # all ended at their prefill: admit the next ones
             continue
         scheduler.make_room()
         for seq in list(scheduler.running):
@@ -251,8 +250,11 @@ def _one_at_a_time(model, seqs, backend, on_finish) -> list[Generation]:
     engine, results = engine_for(model, "cuda" if backend == "auto" else backend), []
     for seq in seqs:
         temperature, top_k, top_p, seed = seq.sampling
-        out = engine.generate(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, temperature=temperature,
-                              top_k=top_k, top_p=top_p, seed=seed, stop=bool(seq.stops))
+        try:
+            out = engine.generate(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed, stop=bool(seq.stops))
+        except RuntimeError as e:  # NaN logits: this sequence ends in error, the others go on
+            out = Generation(seq.prompt_ids, [], "", f"error: {e}", 0.0, 0.0, engine.name)
         out.backend += ", one sequence at a time"
         results.append(out)
         if on_finish is not None:
@@ -284,5 +286,5 @@ def _seeds(seed, n: int) -> list[int]:
 
 
 def _excerpt(prompt) -> str:
-    text = repr(prompt if isinstance(prompt, str) else list(prompt)[:8])
+    text = repr(prompt if isinstance(prompt, str) or not hasattr(prompt, "__iter__") else list(prompt)[:8])
     return text if len(text) <= 40 else text[:37] + "..."

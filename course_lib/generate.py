@@ -20,7 +20,7 @@ class Generation:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str
-    stop_reason: str  # "stop_token" or "max_new_tokens"
+    stop_reason: str  # "stop_token", "max_new_tokens", or in a batch "error: ..." (NaN logits; the others go on)
     prefill_s: float
     decode_s: float
     backend: str

@@ -6,11 +6,13 @@ import copy
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from course_lib import __main__ as cli
 from course_lib import generate, generate_batch
-from course_lib.batch import PAGE_SIZE, PagedSequence, Scheduler, Sequence
+from course_lib.batch import PAGE_SIZE, NumpyBatch, PagedSequence, Scheduler, Sequence
+from course_lib.engine import NumpyBackend
 from course_lib.gpu.kv_cache import PagedKVCache
 from course_lib.kernels import SIMULATOR
 
@@ -44,6 +46,39 @@ def test_seeded_tokens_do_not_depend_on_the_batch(tiny):
     assert first[1].token_ids == alone(tiny, PROMPTS[1:2], seed=6, **SEEDED)[0]
     same_seed = generate_batch(tiny, PROMPTS[:2], backend="numpy", seed=5, **SEEDED)
     assert same_seed[1].token_ids == alone(tiny, PROMPTS[1:2], seed=5, **SEEDED)[0]
+
+
+def test_recomputed_sequence_has_the_bits_it_had(tiny, rng):
+    """A preempted sequence comes back through NumpyBatch.prefill: the logits of its last position are those it
+    had, bit for bit (its prompt in one pass, then its tokens one step at a time, as first computed)."""
+    prompt, tokens = PROMPTS[2], rng.integers(0, tiny.config.vocab_size, 9).tolist()
+    backend = NumpyBackend(tiny, 64)
+    logits = backend.prefill(prompt)
+    for token in tokens[:-1]:
+        logits = backend.decode(token)
+    runner = NumpyBatch(tiny, pages=4, max_len=64)
+    seq = Sequence(0, prompt, 16, (0.0, None, None, 0), frozenset(), tokens=tokens)
+    seq.kv = PagedSequence(runner.cache, 0, 64)
+    np.testing.assert_array_equal(runner.prefill(seq), logits)
+    np.testing.assert_array_equal(runner.forward(seq, tokens[-1:]), backend.decode(tokens[-1]))
+
+
+@pytest.mark.parametrize("max_running", [1, 2])
+def test_sequences_that_end_at_their_prefill(tiny, max_running):
+    """One token each: every sequence ends at its prefill, and the next ones are admitted (none left waiting)."""
+    outs = generate_batch(tiny, PROMPTS, backend="numpy", max_new_tokens=1, max_running=max_running, stop=False)
+    assert [o.token_ids for o in outs] == [a[:1] for a in alone(tiny, PROMPTS, max_new_tokens=1, stop=False)]
+
+
+def test_nan_logits_end_one_sequence_in_error(tiny_qwen):
+    """A sequence whose logits are NaN (a NaN row of the embedding table, read for its tokens only: the output
+    head is untied) ends with an error; the others go on."""
+    weights = copy.deepcopy(tiny_qwen.weights)
+    weights.embed[250] = np.nan
+    model = dataclasses.replace(tiny_qwen, weights=weights)
+    outs = generate_batch(model, ["Hi", [250, 250]], backend="numpy", max_new_tokens=5, stop=False)
+    assert outs[1].stop_reason.startswith("error: NaN") and outs[1].token_ids == []
+    assert outs[0].token_ids == alone(tiny_qwen, ["Hi"], max_new_tokens=5, stop=False)[0]
 
 
 def test_each_sequence_reported_as_it_ends(tiny):
@@ -88,6 +123,7 @@ def _prefilled(cache, seq):
 
 @pytest.mark.parametrize("prompts,kw,match", [
     (["Hi", ""], {}, r"prompt 1 \(''\): the prompt is empty"),
+    (["Hi", 5], {}, "prompt 1 \\(5\\)"),
     (["Hi", [1, 10**6]], {}, "prompt 1 .*out of range"),
     (["Hi", "x" * 3], {"max_new_tokens": 10**6}, "prompt 0 .*context"),
     (["Hi", list(range(1, 60))], {"pages": 2}, "prompt 1 .*cache's 2 pages"),
@@ -106,6 +142,9 @@ def test_cli_prompts_file(tmp_path, tiny, monkeypatch, capsys):
     path = tmp_path / "prompts.jsonl"
     path.write_text("Hi\n\n" + json.dumps({"prompt": "the cat"}) + "\n" + json.dumps("x") + "\n")
     assert cli.read_prompts(str(path)) == ["Hi", "the cat", "x"]
+    quoted = tmp_path / "quoted.txt"
+    quoted.write_text('"To be or not to be" - who said it?\n{not json\n')
+    assert cli.read_prompts(str(quoted)) == ['"To be or not to be" - who said it?', "{not json"]
     monkeypatch.setattr("course_lib.load_model", lambda name: tiny)
     assert cli.main(["generate", "--prompts-file", str(path), "--max-new-tokens", "3", "--backend", "numpy"]) == 0
     out = capsys.readouterr().out.splitlines()

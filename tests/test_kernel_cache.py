@@ -44,6 +44,36 @@ def closure_keys() -> dict[str, str]:
     return dict(line.split(" | ") for line in out.stdout.splitlines())
 
 
+FILES = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("course_lib.device", "course_lib/device.py")
+device = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(device)
+device.gpu_available = lambda: True
+sys.modules["course_lib.device"] = device
+from course_lib.kernels import _disk_cache
+path, base = sys.argv[1], "kernel-12.py311"
+first, second = (_disk_cache._KeyedCacheFile(path, base, "stamp") for _ in range(2))
+first.save(("sig a",), "cubin a")
+second.save(("sig b",), "cubin b")  # another process: its file has a name of its own
+print(first.load(("sig a",)), "|", first.load(("sig b",)), "|", first.load(("sig c",)))
+index = first._load_index()
+index[("sig a",)] = index[("sig b",)]  # an index pointing at another kernel's file
+first._save_index(index)
+print(first.load(("sig a",)), "|", _disk_cache._KeyedCacheFile(path, base, "edited").load(("sig b",)))
+"""
+
+
+def test_each_compiled_kernel_has_a_file_of_its_own(tmp_path):
+    """Files named by their key and holding it: a kernel is never loaded from another kernel's file, and an edit
+    of the sources (a new stamp) finds nothing."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", FILES, str(tmp_path)], cwd=root, env=env, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out == ["cubin a | cubin b | None", "None | None"]
+
+
 def test_cache_keys_are_the_same_in_every_process():
     """Numba's own key pickles the closure, and a device function that calls an intrinsic pickles with a random
     UUID: the narrow matmuls would be compiled again by every process. describe() names device functions instead;
@@ -69,7 +99,7 @@ def compile_once(kernel):
 
 
 @on_gpu
-def test_second_process_loads_what_the_first_compiled(tmp_path, monkeypatch):
+def test_a_fresh_dispatcher_loads_what_another_compiled(tmp_path, monkeypatch):
     from course_lib.kernels import _disk_cache, copy
 
     monkeypatch.setenv("COURSE_LIB_KERNEL_CACHE", str(tmp_path))

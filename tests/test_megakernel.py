@@ -100,6 +100,20 @@ def test_first_difference_names_an_injected_fault(tiny, rng):
     index, ins, diff = first_difference(twin.program, clean, step(fault), 1e-6)
     assert index == target and diff > 0 and str(ins).startswith("gate_up(layer 1")
 
+    def nan_fault(i, state):
+        if i == target:
+            state.act[twin.program[i].start] = np.nan
+
+    with pytest.raises(RuntimeError, match="NaN in the logits"):  # the NaN reaches the sampler
+        step(nan_fault)
+    faulty = {}
+    for i in range(len(twin.program)):  # a trace with the fault, as a debugger would hold it
+        faulty[i] = [a.copy() for a in clean[i]]
+        if i == target:
+            faulty[i][0][0] = np.nan
+    index, _, diff = first_difference(twin.program, clean, faulty, 1.0)
+    assert index == target and diff == np.inf
+
 
 # ---- the blocks' queues (course_lib.megakernel.schedule) ----
 
@@ -141,11 +155,14 @@ def test_queues_out_of_program_order_can_deadlock(tiny):
     n = len(program)
     queues = [[n - 1] + list(range(n - 1))]  # sample first: it waits for what comes after it in its own queue
     with pytest.raises(ValueError, match="deadlock"):
-        simulate(program, queues, np.ones(n))
-    with pytest.raises(RuntimeError, match="deadlock"):
-        Twin(tiny, CAPACITY).run_queues(TwinState.empty(tiny, CAPACITY), queues, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="program order"):
-        encode(program, queues)
+        simulate(program, queues, np.ones(n), check=False)
+    for run in (lambda: simulate(program, queues, np.ones(n)), lambda: encode(program, queues),
+                lambda: Twin(tiny, CAPACITY).run_queues(TwinState.empty(tiny, CAPACITY), queues,
+                                                        np.random.default_rng(0))):
+        with pytest.raises(ValueError, match="program order"):
+            run()
+    with pytest.raises(ValueError, match="exactly one queue"):
+        encode(program, [list(range(n)), [0]])
 
 
 def test_blocks_running_their_queues_compute_the_step(model, rng):

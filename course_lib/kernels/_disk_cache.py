@@ -8,7 +8,12 @@ Numba stamps a cache entry with the modification time of the one file that defin
 the kernel's bytecode. A kernel also calls device functions defined in other files (the weight readers of
 `kernels/__init__.py`, for one): edit one of those and Numba would load a stale kernel. Here every entry is
 stamped with a hash of all the source files of `course_lib.kernels` instead, so an edit anywhere recompiles every
-kernel once. Kernels defined elsewhere (in a notebook) are left to Numba as they are.
+kernel once. The stamp is taken when course_lib.kernels is imported, with the code that will be compiled.
+Kernels defined elsewhere (in a notebook) are left to Numba as they are.
+
+Each compiled kernel is one file named by a hash of its key (Numba numbers them in the order they arrive, and two
+processes filling one cache at once could give one kernel's number to another) and holds its key, checked when it
+is loaded. The cache of one checkout of course_lib lives in a directory of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import hashlib
 import inspect
 import os
 
-from numba.cuda.core.caching import _CacheLocator
+from numba.cuda.core.caching import IndexDataCacheFile, _CacheLocator
 from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 
 KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -50,7 +55,8 @@ class _KernelsLocator(_CacheLocator):
 
     def __init__(self, py_func, py_file):
         self._lineno = py_func.__code__.co_firstlineno
-        self._path = os.path.join(cache_dir(), os.path.splitext(os.path.basename(py_file))[0])
+        checkout = hashlib.sha256(KERNELS_DIR.encode()).hexdigest()[:12]
+        self._path = os.path.join(cache_dir(), checkout, os.path.splitext(os.path.basename(py_file))[0])
 
     def get_cache_path(self):
         return self._path
@@ -77,40 +83,79 @@ class _KernelsCacheImpl(CUDACacheImpl):
 
 def describe(value):
     """A description of a kernel's closure variable that is the same in every process: a device function by its
-    name and, recursively, its own closure (its code is in source_stamp); other values as they are. Numba
-    pickles the closure instead, and the pickle of a device function that calls an intrinsic (`vector.load16`)
-    carries a random UUID: the kernels of factories (the narrow matmuls, flash-decoding) would never be found."""
+    name, a hash of its bytecode and the names it uses, and, recursively, its own closure; a list or tuple item by
+    item; other values as they are. Numba pickles the closure instead, and the pickle of a device function that
+    calls an intrinsic (`vector.load16`) carries a random UUID: the kernels of factories (the narrow matmuls,
+    flash-decoding) would never be found."""
     py_func = getattr(value, "py_func", None)
     if py_func is not None:
+        code = py_func.__code__
+        digest = hashlib.sha256(code.co_code + repr(code.co_names).encode()).hexdigest()
         cells = py_func.__closure__ or ()
-        return (py_func.__module__, py_func.__qualname__, tuple(describe(c.cell_contents) for c in cells))
+        return ("function", py_func.__module__, py_func.__qualname__, digest,
+                tuple(describe(c.cell_contents) for c in cells))
     if isinstance(value, (tuple, list)):
-        return tuple(describe(v) for v in value)
+        return (type(value).__name__, tuple(describe(v) for v in value))
     return value
+
+
+_OPTIONS = ("debug", "lineinfo", "fastmath", "opt", "launch_bounds", "lto")  # compile options that change the code
+
+
+class _KeyedCacheFile(IndexDataCacheFile):
+    """Numba's index and data files, each data file named by a hash of its key and holding the key."""
+
+    def save(self, key, data):
+        name = self._data_name_pattern.replace("{number:d}", hashlib.sha256(repr(key).encode()).hexdigest()[:20])
+        self._save_data(name, (repr(key), data))
+        overloads = self._load_index()
+        overloads[key] = name
+        self._save_index(overloads)
+
+    def load(self, key):
+        entry = super().load(key)
+        if entry is None or entry[0] != repr(key):  # absent, or written for another key
+            return None
+        return entry[1]
 
 
 class KernelsCache(CUDACache):
     _impl_class = _KernelsCacheImpl
 
+    def __init__(self, py_func, options: dict):
+        super().__init__(py_func)
+        self._options = repr(sorted((k, repr(options.get(k))) for k in _OPTIONS))
+        self._cache_file = _KeyedCacheFile(self._cache_path, self._impl.filename_base, source_stamp())
+
     def _index_key(self, sig, codegen):
         """Numba's key (signature, target, numba-cuda version, (bytecode hash, closure hash), launch config) with
-        the closure hashed from `describe`."""
+        the closure hashed from `describe`, and the compile options."""
         key = super()._index_key(sig, codegen)
         cells = self._py_func.__closure__ or ()
-        closure = repr(tuple(describe(c.cell_contents) for c in cells))
+        closure = repr((tuple(describe(c.cell_contents) for c in cells), self._options))
         return key[:3] + ((key[3][0], hashlib.sha256(closure.encode()).hexdigest()),) + key[4:]
+
+
+_unwritable = False  # set when the cache directory could not be made: no cache for the rest of the process
 
 
 def compiled_once(kernel):
     """Give a course_lib kernel (a CUDA dispatcher, not yet launched) the on-disk cache; other kernels, and the
-    simulator's fake kernels, are returned untouched. Idempotent."""
+    simulator's fake kernels, are returned untouched. Idempotent, and cheap after the first call for a kernel."""
+    global _unwritable
+    if getattr(kernel, "_course_lib_checked", False) or _unwritable:
+        return kernel
     cache = getattr(kernel, "_cache", None)
-    if cache is None or isinstance(cache, CUDACache):  # the simulator, or already cached
+    if cache is None:  # the simulator's kernels
         return kernel
-    if os.path.dirname(os.path.abspath(inspect.getfile(kernel.py_func))) != KERNELS_DIR:
+    kernel._course_lib_checked = True
+    if isinstance(cache, CUDACache) or os.path.dirname(os.path.abspath(inspect.getfile(kernel.py_func))) != KERNELS_DIR:
         return kernel
-    try:
-        kernel._cache = KernelsCache(kernel.py_func)  # what Dispatcher.enable_caching does, with our locator
+    try:  # what Dispatcher.enable_caching does, with our locator, key and files
+        kernel._cache = KernelsCache(kernel.py_func, kernel.targetoptions)
     except RuntimeError:  # no writable cache directory
-        pass
+        _unwritable = True
     return kernel
+
+
+source_stamp()  # taken now, with the code this process compiles

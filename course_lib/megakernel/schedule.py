@@ -57,9 +57,21 @@ class Schedule:
         return float(self.end.max())
 
 
-def simulate(program: list[Instruction], queues: list[list[int]], seconds: np.ndarray) -> Schedule:
+def check_queues(program: list[Instruction], queues: list[list[int]]) -> None:
+    """Every instruction in exactly one queue, every queue in program order (else it could deadlock)."""
+    if sorted(i for q in queues for i in q) != list(range(len(program))):
+        raise ValueError("every instruction must be in exactly one queue")
+    if any(q != sorted(q) for q in queues):
+        raise ValueError("a queue out of program order could deadlock")
+
+
+def simulate(program: list[Instruction], queues: list[list[int]], seconds: np.ndarray,
+             check: bool = True) -> Schedule:
     """Replay the queues with the estimated times: each block takes its next instruction when it is free and
-    when everything the instruction waits for has ended."""
+    when everything the instruction waits for has ended. check=False replays queues out of program order too
+    (to show that they can deadlock)."""
+    if check:
+        check_queues(program, queues)
     end = np.full(len(program), np.nan)
     free, idle, nxt = np.zeros(len(queues)), np.zeros(len(queues)), [0] * len(queues)
     for _ in range(len(program)):
@@ -97,8 +109,5 @@ def encode(program: list[Instruction], queues: list[list[int]]) -> dict[str, np.
     deps = np.array([d for i in program for d in i.deps], np.int32)
     queue_start = np.cumsum([0] + [len(q) for q in queues]).astype(np.int32)
     queue = np.array([i for q in queues for i in q], np.int32)
-    if sorted(queue.tolist()) != list(range(len(program))):
-        raise ValueError("every instruction must be in exactly one queue")
-    if any(q != sorted(q) for q in queues):
-        raise ValueError("a queue out of program order could deadlock")
+    check_queues(program, queues)
     return {"ops": ops, "deps_start": deps_start, "deps": deps, "queue_start": queue_start, "queue": queue}

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import reference
-from ..kernels.sampling import sample
+from ..kernels.sampling import NO_TOKEN, sample
 from ..model.loading import Model
 from .program import Instruction, build_program
+from .schedule import check_queues
 
 
 @dataclass
@@ -94,8 +95,10 @@ class Twin:
             head = w.embed[cols].T if w.lm_head is None else w.lm_head[:, cols]
             s.logits[cols] = (x @ head)[0]
         elif ins.op == "sample":
-            s.token[0] = sample(s.logits, *s.sampling, position=pos + 1)
-            s.position[0] = pos + 1
+            token = sample(s.logits, *s.sampling, position=pos + 1)
+            if token == NO_TOKEN:
+                raise RuntimeError(f"NaN in the logits of position {pos}: no token to choose")
+            s.token[0], s.position[0] = token, pos + 1
         else:
             raise ValueError(f"unknown instruction {ins.op!r}")
 
@@ -109,6 +112,7 @@ class Twin:
         """One decode step as the persistent kernel runs it: each block takes the instructions of its queue in order,
         each once everything it waits for is done; at every turn a random block among those that can go does (the
         blocks' relative speeds are arbitrary). Raises if they deadlock."""
+        check_queues(self.program, queues)
         done, nxt = np.zeros(len(self.program), bool), [0] * len(queues)
         for _ in range(len(self.program)):
             can_go = [b for b, q in enumerate(queues)
@@ -187,10 +191,14 @@ def random_order(program: list[Instruction], rng: np.random.Generator) -> list[i
 
 def first_difference(program, trace_a, trace_b, tolerance: float) -> tuple[int, Instruction, float] | None:
     """The first instruction, in program order, whose output differs by more than `tolerance` between two traces
-    (int outputs, exactly): (index, instruction, largest difference), or None when they agree."""
+    (int outputs, exactly; a NaN against a number, infinitely): (index, instruction, largest difference), or None
+    when they agree."""
     for i, ins in enumerate(program):
         for a, b in zip(trace_a[i], trace_b[i], strict=True):
-            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0))
-            if diff > (tolerance if a.dtype.kind == "f" else 0):
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            both_nan = np.isnan(a) & np.isnan(b)
+            gaps = np.where(both_nan, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+            diff = float(np.max(gaps, initial=0.0))
+            if diff > (tolerance if trace_a[i][0].dtype.kind == "f" else 0):
                 return i, ins, diff
     return None
