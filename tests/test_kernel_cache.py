@@ -61,17 +61,33 @@ index = first._load_index()
 index[("sig a",)] = index[("sig b",)]  # an index pointing at another kernel's file
 first._save_index(index)
 print(first.load(("sig a",)), "|", _disk_cache._KeyedCacheFile(path, base, "edited").load(("sig b",)))
+import os
+os.environ["COURSE_LIB_KERNEL_CACHE"] = path
+from numba.cuda import types
+from course_lib.kernels import copy, cuda
+class Codegen:  # stands for the GPU's code generator: its magic tuple names the target
+    def magic_tuple(self):
+        return ("nvptx64-nvidia-cuda", "sm_90", "")
+kernel = _disk_cache.compiled_once(cuda.jit(copy.read_grid_stride.py_func))
+cache = kernel._cache
+sig = (types.Array(types.uint32, 1, "C"), types.Array(types.float32, 1, "C"))
+key = cache._index_key(sig, Codegen())
+cache._cache_file.save(key, "the cubin")
+other = cache._index_key(sig[::-1], Codegen())
+print(type(cache).__name__, cache._cache_file.load(key), "|", cache._cache_file.load(other))
+print(_disk_cache.compiled_once(kernel) is kernel and kernel._cache is cache)
 """
 
 
 def test_each_compiled_kernel_has_a_file_of_its_own(tmp_path):
     """Files named by their key and holding it: a kernel is never loaded from another kernel's file, and an edit
-    of the sources (a new stamp) finds nothing."""
+    of the sources (a new stamp) finds nothing; a course kernel gets the cache, once (built for the GPU target
+    without a GPU: the compiled code is stood in for by a string)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-c", FILES, str(tmp_path)], cwd=root, env=env, capture_output=True,
                          text=True, check=True).stdout.splitlines()
-    assert out == ["cubin a | cubin b | None", "None | None"]
+    assert out == ["cubin a | cubin b | None", "None | None", "KernelsCache the cubin | None", "True"]
 
 
 def test_cache_keys_are_the_same_in_every_process():
