@@ -44,11 +44,18 @@ class PagedSequence:
         cache.add(seq_id, max_len)
         self.cache, self.seq_id, self.capacity = cache, seq_id, max_len
         self.length = 0  # positions computed
-        self.rows = np.zeros(0, np.int64)  # the cache row (slot) of every position reserved
+        self.reserved = 0  # positions given a slot
+        self._rows = np.zeros(max_len, np.int64)  # the cache row (slot) of each position, the first `reserved` set
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The cache row (slot) of every position reserved."""
+        return self._rows[:self.reserved]
 
     def reserve(self, n: int) -> None:
         """Take the slots of the next n positions (pages from the free list as needed)."""
-        self.rows = np.concatenate([self.rows, self.cache.slots(self.seq_id, n)])
+        self._rows[self.reserved:self.reserved + n] = self.cache.slots(self.seq_id, n)
+        self.reserved += n
 
     def write(self, layer, positions, k, v):
         rows = self.rows[positions]
@@ -135,7 +142,7 @@ class Scheduler:
 
     def _pages_short(self) -> int:
         """New pages the running sequences need for one more position each: one for each whose pages are full."""
-        return sum(len(s.kv.rows) % self.cache.page_size == 0 for s in self.running)
+        return sum(s.kv.reserved % self.cache.page_size == 0 for s in self.running)
 
 
 class NumpyBatch:
