@@ -26,16 +26,15 @@ import os
 from numba.cuda.core.caching import IndexDataCacheFile, _CacheLocator
 from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 
+from ..model.loading import cache_dir as course_lib_cache_dir
+
 KERNELS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def cache_dir() -> str:
     """Where compiled kernels live: $COURSE_LIB_KERNEL_CACHE, else $COURSE_LIB_CACHE/kernels, else
     ~/.cache/course_lib/kernels."""
-    if os.environ.get("COURSE_LIB_KERNEL_CACHE"):
-        return os.environ["COURSE_LIB_KERNEL_CACHE"]
-    root = os.environ.get("COURSE_LIB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "course_lib")
-    return os.path.join(root, "kernels")
+    return os.environ.get("COURSE_LIB_KERNEL_CACHE") or os.path.join(course_lib_cache_dir(), "kernels")
 
 
 @functools.cache
