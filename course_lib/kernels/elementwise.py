@@ -61,6 +61,20 @@ block_sum = _make_block_reduce(segment_sum, float32(0))  # block_sum(v, scratch)
 block_max = _make_block_reduce(segment_max, float32(-math.inf))  # block_max(v, scratch): its maximum
 
 
+@cuda.jit(device=True)
+def row_rms(x, r, eps, scratch):
+    """sqrt(mean(x[r]^2) + eps) for the row r of x [T, d], to every thread of the block (blockDim.x >=
+    NORM_THREADS, a multiple of 32; scratch: shared float32[32]). The first NORM_THREADS threads add the squares,
+    the others add nothing: the same bits in rms_norm's blocks and in the wider blocks of the kernels that fuse
+    the norm into a matmul (the extra warps contribute zeros, which leave every sum of the reduction as it was)."""
+    sum_sq = float32(0)
+    if cuda.threadIdx.x < NORM_THREADS:
+        for j in range(cuda.threadIdx.x, x.shape[1], NORM_THREADS):
+            sum_sq += x[r, j] * x[r, j]
+    sum_sq = block_sum(sum_sq, scratch)
+    return float32(math.sqrt(sum_sq / float32(x.shape[1]) + eps))
+
+
 # ---- kernels ----
 
 def _make_embedding(to_f32):
@@ -82,13 +96,8 @@ def _make_rms_norm(to_f32):
         """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w: one block per row r."""
         scratch = cuda.shared.array(32, dtype=float32)
         r = cuda.blockIdx.x
-        d = x.shape[1]
-        sum_sq = float32(0)
-        for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
-            sum_sq += x[r, j] * x[r, j]
-        sum_sq = block_sum(sum_sq, scratch)
-        rms = float32(math.sqrt(sum_sq / float32(d) + eps))
-        for j in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+        rms = row_rms(x, r, eps, scratch)
+        for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             out[r, j] = x[r, j] / rms * to_f32(w[j])
 
     return rms_norm_rows
@@ -96,6 +105,18 @@ def _make_rms_norm(to_f32):
 
 _EMBEDDING = for_weight_dtypes(_make_embedding)
 _RMS_NORM = for_weight_dtypes(_make_rms_norm)
+
+
+@cuda.jit(device=True)
+def rotated_first(a, b, c, s):
+    """The first element of the pair (a, b) rotated by the angle of cosine c and sine s: a c - b s."""
+    return a * c - b * s
+
+
+@cuda.jit(device=True)
+def rotated_second(a, b, c, s):
+    """The second element of the pair (a, b) rotated: a s + b c."""
+    return a * s + b * c
 
 
 @cuda.jit
@@ -109,8 +130,14 @@ def rope_pairs(x, cos, sin, positions):
         h, i = rest // half, rest % half
         c, s = cos[positions[t], i], sin[positions[t], i]
         a, b = x[t, h, i], x[t, h, i + half]
-        x[t, h, i] = a * c - b * s
-        x[t, h, i + half] = a * s + b * c
+        x[t, h, i] = rotated_first(a, b, c, s)
+        x[t, h, i + half] = rotated_second(a, b, c, s)
+
+
+@cuda.jit(device=True)
+def silu_times(g, u):
+    """silu(g) * u = g / (1 + exp(-g)) * u, SwiGLU's product (one copy: the fused gate/up kernel uses it too)."""
+    return g / (float32(1) + float32(math.exp(-g))) * u
 
 
 @cuda.jit
@@ -118,8 +145,7 @@ def silu_mul_flat(gate, up, out):
     """out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g))."""
     i = cuda.grid(1)
     if i < out.size:
-        g = gate[i]
-        out[i] = g / (float32(1) + float32(math.exp(-g))) * up[i]
+        out[i] = silu_times(gate[i], up[i])
 
 
 @cuda.jit

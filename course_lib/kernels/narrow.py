@@ -52,7 +52,7 @@ from course_lib.kernels import (
     sm_count,
 )
 from course_lib.kernels import matmul as mm
-from course_lib.kernels.elementwise import segment_sum
+from course_lib.kernels.elementwise import row_rms, segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
@@ -126,29 +126,36 @@ def sum_slices(partial, r, n):
     return v
 
 
-# ---- kernel factories: one kernel per (rows, weight kind) ----
+# ---- the split-K block and its epilogues: device functions of (virtual block index, buffers) ----
 
-def _make_split_k(rows, width, load, bias_f32, accumulate):
-    """The split-K kernel for R = rows, `width` columns per lane (1, or VEC with 16-byte loads): load(b, k, v,
-    per_row) gives the `width` float32 weights of row k, columns width v .. width v + width - 1; bias_f32 reads
-    one bias element; accumulate: add the product to out (out += ...) instead of writing it."""
+@functools.cache
+def split_k_block_for(rows, width, load, normed):
+    """The device function split_k_block(g, s, a, gamma, eps, b, partial, done) -> bool for R = rows, `width`
+    columns per lane (1, or VEC with 16-byte loads): load(b, k, v, per_row) gives the `width` float32 weights of
+    row k, columns width v .. width v + width - 1. normed: the rows of a are RMS-normalized on the fly, h[r, k] =
+    a[r, k] / rms(a[r]) * gamma[k], with the same bits as rms_norm (`elementwise.row_rms`), so no normalized copy
+    is written or read. The kernels of this module and of `fused` are thin wrappers around it."""
     group = 32 * width  # columns of a block
 
-    def matmul_split_k(a, b, bias, partial, done, out):
-        """out = a [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), or out += that when the kernel
-        accumulates (the residual stream: x + o, rounded once, as an add kernel after the matmul would), through
-        partial [S, R, N]: block (g, s) sums slice s of K for the columns of group g into partial[s]; the group's
-        last block to finish (done[g] counts them) adds the S slices in order, the bias, and out's own value.
-        Grid (ceil(N / group), S), THREADS."""
+    @cuda.jit(device=True)
+    def split_k_block(g, s, a, gamma, eps, b, partial, done):
+        """Block (g, s) of the split-K product a [R, K] @ b [K, N]: sums slice s of K for the columns of group g
+        into partial[s] [R, N], then counts itself in done[g]. Returns True in the group's last block to finish
+        (every slice of the group is then in partial), False elsewhere. Every thread of the block calls."""
         sums = cuda.shared.array((WARPS, group), dtype=float32)
         last = cuda.shared.array(1, dtype=int32)
+        scratch = cuda.shared.array(32, dtype=float32)
+        scale = cuda.local.array(rows, dtype=float32)
         acc = cuda.local.array((rows, width), dtype=float32)
         buf = cuda.local.array((UNROLL, width), dtype=float32)
-        K, N, S = a.shape[1], out.shape[1], partial.shape[0]
-        tid, g, s = cuda.threadIdx.x, cuda.blockIdx.x, cuda.blockIdx.y
+        K, N, S = a.shape[1], partial.shape[2], partial.shape[0]
+        tid = cuda.threadIdx.x
         lane, warp = tid % 32, tid // 32
         v, per_row = g * 32 + lane, N // width
         k, k_end = s * K // S + warp, (s + 1) * K // S
+        if normed:
+            for r in range(rows):
+                scale[r] = row_rms(a, r, eps, scratch)
         for r in range(rows):
             for c in range(width):
                 acc[r, c] = float32(0)
@@ -161,6 +168,8 @@ def _make_split_k(rows, width, load, bias_f32, accumulate):
                 for r in range(rows):
                     for u in range(UNROLL):
                         x = a[r, k + u * WARPS]
+                        if normed:
+                            x = x / scale[r] * gamma[k + u * WARPS]
                         for c in range(width):
                             acc[r, c] += x * buf[u, c]
                 k += UNROLL * WARPS
@@ -168,6 +177,8 @@ def _make_split_k(rows, width, load, bias_f32, accumulate):
                 w = load(b, k, v, per_row)
                 for r in range(rows):
                     x = a[r, k]
+                    if normed:
+                        x = x / scale[r] * gamma[k]
                     for c in range(width):
                         acc[r, c] += x * w[c]
                 k += WARPS
@@ -182,20 +193,53 @@ def _make_split_k(rows, width, load, bias_f32, accumulate):
         if tid == 0:
             last[0] = cuda.atomic.add(done, g, 1) == S - 1
         cuda.syncthreads()
-        if last[0]:  # every slice of group g is written: sum them in slice order
-            for e in range(tid, rows * group, cuda.blockDim.x):
-                r, n = e // group, g * group + e % group
-                if n < N:
-                    total = sum_slices(partial, r, n)
-                    if bias.shape[0] > 0:
-                        total += bias_f32(bias[n])
-                    if accumulate:
-                        total = out[r, n] + total
-                    out[r, n] = total
-            if tid == 0:
-                done[g] = 0  # ready for the next launch
+        if last[0] and tid == 0:
+            done[g] = 0  # ready for the next launch (every block of the group has counted itself)
+        return last[0] != 0
 
-    name = "matmul_split_k" + ("_vec" if width == VEC else "") + ("_add" if accumulate else "")
+    return split_k_block
+
+
+@functools.cache
+def store_group_for(group, bias_f32, accumulate):
+    """The plain epilogue store_group(g, partial, bias, out): out[r, n] = the S slices of partial added in slice
+    order (+ bias[n], read by bias_f32; a bias of length 0 is none), for the columns n of group g; with
+    accumulate, out[r, n] += that instead (the residual stream: x + o rounded once, as an add kernel after the
+    matmul would)."""
+
+    @cuda.jit(device=True)
+    def store_group(g, partial, bias, out):
+        rows, N = partial.shape[1], partial.shape[2]
+        for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
+            r, n = e // group, g * group + e % group
+            if n < N:
+                total = sum_slices(partial, r, n)
+                if bias.shape[0] > 0:
+                    total += bias_f32(bias[n])
+                if accumulate:
+                    total = out[r, n] + total
+                out[r, n] = total
+
+    return store_group
+
+
+# ---- kernel factories: one kernel per (rows, weight kind) ----
+
+def _make_split_k(rows, width, load, bias_f32, accumulate, normed):
+    """The split-K kernel: split_k_block then, in each group's last block, store_group (see the top)."""
+    block = split_k_block_for(rows, width, load, normed)
+    store = store_group_for(32 * width, bias_f32, accumulate)
+
+    def matmul_split_k(a, gamma, eps, b, bias, partial, done, out):
+        """out = h [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), or out += that when the kernel
+        accumulates; h = a, or RMSNorm(a) * gamma [K] (eps) when normed; through partial [S, R, N] and done
+        (split_k_block). Grid (ceil(N / group), S), THREADS."""
+        g = cuda.blockIdx.x
+        if block(g, cuda.blockIdx.y, a, gamma, eps, b, partial, done):
+            store(g, partial, bias, out)
+
+    name = ("matmul_split_k" + ("_norm" if normed else "") + ("_vec" if width == VEC else "")
+            + ("_add" if accumulate else ""))
     matmul_split_k.__name__ = matmul_split_k.__qualname__ = name  # the name profiles and tests see
     return cuda.jit(matmul_split_k)
 
@@ -307,18 +351,18 @@ _TRANSPOSED = {
     "f32x8": lambda rows: _make_transposed_vec(rows, f32x8),
     "bf16x8": lambda rows: _make_transposed_vec(rows, bf16x8),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate) -> kernel, built on first use
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed) -> kernel, built on first use
 
 
-def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False):
+def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
-    R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`;
-    built and cached on first use."""
-    key = (family, kind, rows, bias, accumulate)
+    R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
+    normalizing its rows of a when `normed`; built and cached on first use."""
+    key = (family, kind, rows, bias, accumulate, normed)
     if key not in _KERNELS:
         if family == "split_k":
             width, load = _SPLIT_K_LOADS[kind]
-            _KERNELS[key] = _make_split_k(rows, width, load, _READERS[bias], accumulate)
+            _KERNELS[key] = _make_split_k(rows, width, load, _READERS[bias], accumulate, normed)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows)
     return _KERNELS[key]
@@ -351,7 +395,7 @@ def partial_sums(shape):
 
 @functools.cache
 def no_bias():
-    """A float32 device array of length 0: the split-K kernel's "no bias"."""
+    """A float32 device array of length 0: the split-K kernel's "no bias" (and its "no norm")."""
     return cuda.to_device(np.zeros(0, np.float32))
 
 
@@ -370,11 +414,12 @@ def _transposed_blocks(n: int, per_block: int) -> int:
 
 # ---- host wrappers: stream, a CUDA stream; rt, a course_lib.gpu.runtime.Runtime used instead when given ----
 
-def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool = False):
+def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool = False, norm=None):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
     for 1 <= R <= MAX_ROWS: one split-K kernel per KERNEL_ROWS rows, through the partial sums [S, rows, N] of
     `partial_sums` (see the top). accumulate: out += the product (out required: the residual stream), in the
-    reduction that writes it, without an add kernel."""
+    reduction that writes it, without an add kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the
+    norm computed by the matmul's blocks (the same bits as rms_norm then the matmul)."""
     (R, K), (K2, N) = a.shape, b.shape
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"matmul_narrow: a has {R} rows, expected 1 to {MAX_ROWS} (use linear)")
@@ -384,20 +429,43 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
         raise ValueError(f"matmul_narrow: out is {out.shape}, expected {(R, N)}")
     if accumulate and out is None:
         raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
-    kind = weight_kind(b, vector=N % VEC == 0 and aligned16(b))
-    width = VEC if kind.endswith("x8") else 1
-    bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
+    split_k_launches(lambda rows, kind, bias_kind: kernel_for("split_k", kind, rows, bias_kind, accumulate,
+                                                             norm is not None),
+                     a, b, bias, norm, (), (out,), stream, rt)
+    return out
+
+
+def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None):
+    """The launches of a split-K kernel on a [R, K] and b [K, N], one per KERNEL_ROWS rows (one after another on
+    the stream: they share one scratch): kernel_of(rows, weight kind, bias kind)[grid, THREADS](a[rows], gamma,
+    eps, weights, bias, partial, done, *fixed, *(x[rows] for x in sliced)). width: 1 or VEC columns per lane, or
+    None for VEC when N % VEC == 0 and b is 16-byte aligned. See matmul_narrow for bias and norm."""
+    (R, K), N = a.shape, b.shape[1]
+    if width is None:
+        width = VEC if N % VEC == 0 and aligned16(b) else 1
+    kind = weight_kind(b, vector=width == VEC)
+    bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
     shape = (slices, min(R, KERNEL_ROWS), N)
     partial, done = (partial_sums(shape), done_counters(groups)) if rt is None else rt.split_k_scratch(shape, groups)
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
-    for r0 in range(0, R, KERNEL_ROWS):  # the launches run one after another on the stream: one scratch for all
+    gamma, eps = norm_args(norm, K)
+    for r0 in range(0, R, KERNEL_ROWS):
         rows = slice(r0, min(R, r0 + KERNEL_ROWS))
-        a_rows, out_rows = (a, out) if R <= KERNEL_ROWS else (a[rows], out[rows])
-        launch(kernel_for("split_k", kind, a_rows.shape[0], bias_kind, accumulate), (groups, slices), THREADS, stream,
-               rt, a_rows, weights, bias, partial, done, out_rows)
-    return out
+        a_rows, rest = (a, sliced) if R <= KERNEL_ROWS else (a[rows], tuple(x[rows] for x in sliced))
+        launch(kernel_of(a_rows.shape[0], kind, bias_kind), (groups, slices), THREADS, stream, rt, a_rows, gamma,
+               eps, weights, bias, partial, done, *fixed, *rest)
+
+
+def norm_args(norm, K: int):
+    """(gamma, eps) of a split-K launch: the norm's (gamma [K] float32, float32 eps), or no_bias() and 0 for none."""
+    if norm is None:
+        return no_bias(), np.float32(0)
+    gamma, eps = norm
+    if gamma.shape != (K,) or np.dtype(gamma.dtype) != np.float32:
+        raise ValueError(f"matmul_narrow: the norm's weights are {gamma.shape} {gamma.dtype}, expected ({K},) float32")
+    return gamma, np.float32(eps)
 
 
 def linear(a, b, bias=None, out=None, stream=0, rt=None):

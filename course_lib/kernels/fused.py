@@ -1,0 +1,190 @@
+"""Projections fused with their neighbours (notebook 05): one split-K kernel does the work of three to six.
+
+Every kernel here is the split-K block of `narrow` (`split_k_block_for`: RMSNorm of the rows computed by the block
+itself, a slice of K, the partial sums, the election of each column group's last block) followed by another
+epilogue in that last block, where the whole K-sum of its columns is known:
+
+- `qkv_rope`: x [T, d] -> RMSNorm -> @ [Wq | Wk | Wv] (+ bias) -> RoPE on the q and k heads -> q to its buffer,
+  k and v into their rows of the paged cache. It replaces a norm, three matmuls, two RoPE kernels and two cache
+  writes. The group's last block first adds the slices of all its columns into shared memory (a RoPE pair, i and
+  i + hd / 2, lies in one head, and a group holds whole heads), then rotates and stores.
+- `gate_up_swiglu`: x -> RMSNorm -> @ W_gu -> silu(gate) * up, where W_gu holds the gate and up columns
+  interleaved eight by eight at load time (`interleave_gate_up`): the epilogue finds gate column j and up column j
+  side by side, in the same group, and writes only the product. It replaces a norm, two matmuls and SwiGLU's
+  elementwise kernel, and the [T, 2 d_ff] intermediate never reaches memory.
+
+The arithmetic of each output element is the unfused kernels' own, in the same order (`row_rms`, `sum_slices`,
+`rotated_first` / `rotated_second`, `silu_times`): the fused step gives the same bits as the unfused one.
+"""
+
+import functools
+
+import numpy as np
+from numba import float32
+
+from course_lib.kernels import cuda, f32_weight
+from course_lib.kernels import narrow as nw
+from course_lib.kernels.elementwise import rotated_first, rotated_second, silu_times
+from course_lib.kernels.paged_attention import f32_to_bf16_bits
+
+PAIR = nw.VEC  # gate and up alternate in runs of PAIR columns in W_gu (one 16-byte load of a lane)
+
+
+# ---- weights rearranged once, at load time (host, NumPy) ----
+
+def interleave_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
+    """[K, F] and [K, F] -> W_gu [K, 2F]: columns 2 PAIR i .. 2 PAIR i + PAIR - 1 are gate's PAIR i .. PAIR i +
+    PAIR - 1, the next PAIR are up's same columns (F a multiple of PAIR). Works for a bias [F] too."""
+    if w_gate.shape != w_up.shape or w_gate.shape[-1] % PAIR:
+        raise ValueError(f"interleave_gate_up: gate {w_gate.shape}, up {w_up.shape} (same shapes, the last a "
+                         f"multiple of {PAIR})")
+    *lead, F = w_gate.shape
+    runs = (*lead, F // PAIR, 1, PAIR)
+    return np.concatenate([w_gate.reshape(runs), w_up.reshape(runs)], axis=-2).reshape(*lead, 2 * F)
+
+
+# ---- epilogues (device functions of the group index g and the buffers) ----
+
+@functools.cache
+def _rope_store_for(group, head_dim, bias_f32, store_kv):
+    half = head_dim // 2
+
+    @cuda.jit(device=True)
+    def rope_store(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
+        """Columns of group g of [q | k | v] (partial [S, R, N], N = (H + 2 Hkv) hd): summed over the slices
+        (+ bias), then the q and k heads rotated by RoPE at positions[r], q written to q [R, H hd], k and v to
+        row slots[r] of k_table, v_table [rows, Hkv, hd] (stored by store_kv; a slot < 0 is skipped)."""
+        tile = cuda.shared.array((nw.KERNEL_ROWS, group), dtype=float32)
+        rows, N = partial.shape[1], partial.shape[2]
+        n_q, n_kv = q.shape[1], k_table.shape[1] * k_table.shape[2]
+        for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
+            r, c = e // group, e % group
+            if g * group + c < N:
+                total = nw.sum_slices(partial, r, g * group + c)
+                if bias.shape[0] > 0:
+                    total += bias_f32(bias[g * group + c])
+                tile[r, c] = total
+        cuda.syncthreads()
+        for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
+            r, c = e // group, e % group
+            n = g * group + c
+            if n < N:
+                y = tile[r, c]
+                if n < n_q + n_kv:  # a q or k head: rotate the pair (i, i + half) of its head
+                    i, p = n % head_dim, positions[r]
+                    if i < half:
+                        y = rotated_first(y, tile[r, c + half], cos[p, i], sin[p, i])
+                    else:
+                        y = rotated_second(tile[r, c - half], y, cos[p, i - half], sin[p, i - half])
+                if n < n_q:
+                    q[r, n] = y
+                elif slots[r] >= 0:
+                    j = (n - n_q) % n_kv
+                    table = k_table if n < n_q + n_kv else v_table
+                    table[slots[r], j // head_dim, j % head_dim] = store_kv(y)
+
+    return rope_store
+
+
+@functools.cache
+def _swiglu_store_for(group, bias_f32):
+    outs = group // 2  # output columns of a group
+
+    @cuda.jit(device=True)
+    def swiglu_store(g, partial, bias, out):
+        """out[r, j] = silu(gate) * up for the output columns j of group g: gate column j is column
+        (j // PAIR) 2 PAIR + j % PAIR of W_gu, up the one PAIR further (partial [S, R, 2F], out [R, F])."""
+        rows, F = partial.shape[1], out.shape[1]
+        for e in range(cuda.threadIdx.x, rows * outs, cuda.blockDim.x):
+            r, j = e // outs, g * outs + e % outs
+            if j < F:
+                n = (j // PAIR) * 2 * PAIR + j % PAIR
+                gate, up = nw.sum_slices(partial, r, n), nw.sum_slices(partial, r, n + PAIR)
+                if bias.shape[0] > 0:
+                    gate += bias_f32(bias[n])
+                    up += bias_f32(bias[n + PAIR])
+                out[r, j] = silu_times(gate, up)
+
+    return swiglu_store
+
+
+# ---- kernels: split_k_block then an epilogue, one kernel per (rows, weight kind, ...) ----
+
+@functools.cache
+def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim):
+    width, load = nw._SPLIT_K_LOADS[kind]
+    block = nw.split_k_block_for(rows, width, load, normed)
+    store_kv = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}[np.dtype(kv_dtype)]
+    epilogue = _rope_store_for(32 * width, head_dim, nw._READERS[bias], store_kv)
+
+    def qkv_rope_split_k(a, gamma, eps, b, bias, partial, done, cos, sin, k_table, v_table, positions, slots, q):
+        """[q | k | v] = RMSNorm(a) @ b (+ bias), RoPE, q stored, k and v written to the cache (rope_store).
+        Grid (ceil(N / group), S), THREADS."""
+        g = cuda.blockIdx.x
+        if block(g, cuda.blockIdx.y, a, gamma, eps, b, partial, done):
+            epilogue(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q)
+
+    qkv_rope_split_k.__name__ = qkv_rope_split_k.__qualname__ = "qkv_rope_split_k" + ("_vec" if width > 1 else "")
+    return cuda.jit(qkv_rope_split_k)
+
+
+@functools.cache
+def gate_up_kernel(rows, kind, bias, normed):
+    width, load = nw._SPLIT_K_LOADS[kind]
+    block = nw.split_k_block_for(rows, width, load, normed)
+    epilogue = _swiglu_store_for(32 * width, nw._READERS[bias])
+
+    def gate_up_swiglu_split_k(a, gamma, eps, b, bias, partial, done, out):
+        """out = silu(gate) * up of RMSNorm(a) @ W_gu (+ bias) (swiglu_store). Grid (ceil(2F / group), S),
+        THREADS."""
+        g = cuda.blockIdx.x
+        if block(g, cuda.blockIdx.y, a, gamma, eps, b, partial, done):
+            epilogue(g, partial, bias, out)
+
+    gate_up_swiglu_split_k.__name__ = gate_up_swiglu_split_k.__qualname__ = (
+        "gate_up_swiglu_split_k" + ("_vec" if width > 1 else ""))
+    return cuda.jit(gate_up_swiglu_split_k)
+
+
+# ---- host wrappers (stream: a CUDA stream; rt: a course_lib.gpu.runtime.Runtime, used instead when given) ----
+
+def _width(N: int, b, unit: int) -> int:
+    """Columns per lane: VEC (groups of 256 columns) when the layout allows it and `unit` divides 256, else 1
+    (groups of 32), which `unit` must divide."""
+    if N % nw.VEC == 0 and nw.aligned16(b) and (32 * nw.VEC) % unit == 0:
+        return nw.VEC
+    if 32 % unit:
+        raise ValueError(f"fused split-K: a group of 32 or 256 columns cannot hold whole units of {unit} columns")
+    return 1
+
+
+def qkv_rope(x, w_qkv, bias, norm, cos, sin, positions, slots, q, k_table, v_table, stream=0, rt=None):
+    """x [T, d] float32 (the residual stream) -> q [T, H hd] float32 (written), and k, v written to rows slots[t]
+    of k_table, v_table [rows, Hkv, hd] (float32, or bf16 bits in uint16; slot < 0: skipped): [q | k | v] =
+    RMSNorm(x) gamma @ w_qkv [d, (H + 2 Hkv) hd] (+ bias [(H + 2 Hkv) hd]), q and k rotated by RoPE (cos, sin
+    [positions, hd / 2], positions [T] int32). norm = (gamma [d] float32, eps), or None when x is already
+    normalized. Returns q."""
+    T, N = x.shape[0], w_qkv.shape[1]
+    hd = k_table.shape[2]
+    if (w_qkv.shape[0] != x.shape[1] or q.shape != (T, N - 2 * k_table.shape[1] * hd) or v_table.shape !=
+            k_table.shape or positions.shape != (T,) or slots.shape != (T,) or hd % 2):
+        raise ValueError(f"qkv_rope: x {x.shape}, w_qkv {w_qkv.shape}, q {q.shape}, k_table {k_table.shape}, "
+                         f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}")
+    width = _width(N, w_qkv, hd)
+    nw.split_k_launches(lambda rows, kind, bias_kind: qkv_rope_kernel(rows, kind, bias_kind, norm is not None,
+                                                                      np.dtype(k_table.dtype), hd),
+                        x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width)
+    return q
+
+
+def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
+    """x [T, d] float32 -> out [T, F] = silu(gate) * up, [gate | up] = RMSNorm(x) gamma @ (w_gate | w_up) (+ bias),
+    with w_gu [d, 2F] = interleave_gate_up(w_gate, w_up) (and the bias likewise). norm = (gamma [d] float32, eps),
+    or None when x is already normalized. Returns out."""
+    T, N = x.shape[0], w_gu.shape[1]
+    if w_gu.shape[0] != x.shape[1] or out.shape != (T, N // 2) or N % (2 * PAIR):
+        raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
+    width = _width(N, w_gu, 2 * PAIR)
+    nw.split_k_launches(lambda rows, kind, bias_kind: gate_up_kernel(rows, kind, bias_kind, norm is not None),
+                        x, w_gu, bias, norm, (), (out,), stream, rt, width)
+    return out
