@@ -7,7 +7,7 @@ import pytest
 
 GPU_SUITE = {"test_kernels.py", "test_paged.py", "test_cuda_backend.py", "test_paged_backend.py", "test_recipes.py",
              "test_tolerances.py", "test_generate.py", "test_kernel_cache.py",
-             "test_batch.py"}
+             "test_batch.py", "test_fused.py"}
 
 
 def pytest_collection_modifyitems(items):

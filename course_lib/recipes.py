@@ -42,14 +42,14 @@ RECIPES = {r.name: r for r in (
     Recipe("graph", "06", "the step plan replayed as one CUDA graph per token", PAGED, replay="graph"),
     Recipe("graph8", "06", "the step plan, eight tokens per CUDA graph launch", PAGED, replay="graph",
            steps_per_launch=8),
-    Recipe("fused", "05, 06", "the graph replay, the residual added by the O and down projections' reduction (no "
-           "add kernels)", FUSED, replay="graph"),
+    Recipe("fused", "05, 06", "the graph replay of a step of five kernels per layer: norm + QKV + RoPE + cache "
+           "write, attention, O + residual, norm + gate/up + SwiGLU, down + residual", FUSED, replay="graph"),
 )}
 
 
 def default_recipe(gpu: bool) -> str:
-    """The fastest recipe verified on this kind of machine: on a GPU the graph replay of the step with the fused
-    residual; in the simulator (no graphs), the step plan launched kernel by kernel. One step per replay, not eight:
+    """The fastest recipe verified on this kind of machine: on a GPU the graph replay of the fused step; in the
+    simulator (no graphs), the step plan launched kernel by kernel. One step per replay, not eight:
     both decode at the same speed within about 1% on the H200 (notebook 06), and one step per replay sees an end
     token sooner."""
     return "fused" if gpu else "plan"

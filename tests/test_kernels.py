@@ -17,7 +17,7 @@ from checks import REAL_MODELS, U32, check, dev, poison, poisoned, randn, real_s
 
 from course_lib import by_mode
 from course_lib import reference as R
-from course_lib.kernels import SIM_SMS, SIMULATOR, cuda, sampling
+from course_lib.kernels import SIM_SMS, SIMULATOR, completion_counters, cuda, sampling
 from course_lib.kernels import attention as attn
 from course_lib.kernels import copy as copy_k
 from course_lib.kernels import elementwise as ew
@@ -367,7 +367,7 @@ class _CountingRuntime:
         kernel[grid, block](*args)
 
     def split_k_scratch(self, partial_shape, groups):
-        return nw.partial_sums(partial_shape), nw.done_counters(groups)
+        return nw.partial_sums(partial_shape), completion_counters(groups)
 
 
 def test_cached_views_follow_their_array(rng):
@@ -571,7 +571,7 @@ try:
 except Exception as e:
     print(f"SKIP: no NVVM/libdevice to compile with ({type(e).__name__})")
     sys.exit(0)
-from course_lib.kernels import attention, copy, elementwise, matmul, narrow, paged_attention, sampling
+from course_lib.kernels import attention, copy, elementwise, fused, matmul, narrow, paged_attention, sampling
 F1, F2, F3, I1 = "float32[::1]", "float32[:, ::1]", "float32[:, :, ::1]", "int32[::1]"
 jobs = [
     ("rope_pairs", elementwise.rope_pairs, f"void({F3}, {F2}, {F2}, {I1})"),
@@ -595,10 +595,18 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
     for kind, w2 in (("f32", F2), ("bf16", "uint16[:, ::1]"), ("f32x8", "uint32[::1]"), ("bf16x8", "uint32[::1]")):
         for bias, b1 in (("f32", F1), ("bf16", "uint16[::1]")) if rows <= narrow.KERNEL_ROWS else ():
             jobs.append((f"split_k[{kind}, R={rows}, bias {bias}]", narrow.kernel_for("split_k", kind, rows, bias),
-                         f"void({F2}, {w2}, {b1}, {F3}, {I1}, {F2})"))
+                         f"void({F2}, {F1}, float32, {w2}, {b1}, {F3}, {I1}, {F2})"))
         if rows <= narrow.KERNEL_ROWS:  # out += a @ b: the residual added in the reduction
             jobs.append((f"split_k_add[{kind}, R={rows}]", narrow.kernel_for("split_k", kind, rows, "f32", True),
-                         f"void({F2}, {w2}, {F1}, {F3}, {I1}, {F2})"))
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+        if rows <= narrow.KERNEL_ROWS and kind.endswith("x8"):  # the fused projections (kernels/fused.py)
+            jobs.append((f"split_k_norm[{kind}, R={rows}]", narrow.kernel_for("split_k", kind, rows, normed=True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+            jobs.append((f"qkv_rope[{kind}, R={rows}]", fused.qkv_rope_kernel(rows, kind, "f32", True, np.float32, 64),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, {F3}, {F3}, {I1}, {I1}, "
+                         f"{F2})"))
+            jobs.append((f"gate_up_swiglu[{kind}, R={rows}]", fused.gate_up_kernel(rows, kind, "f32", True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
                      f"void({a2}, {w2}, {F2})"))
@@ -607,9 +615,11 @@ for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-deco
     dt = np.dtype(dtype)
     jobs.append((f"write_rows_flat[{dt}]", paged_attention._WRITE_ROWS[dt], f"void({F3}, {dt.name}[:, :, ::1], {I1})"))
     for group, hd, page in ((3, 64, 16), (4, 128, 16), (8, 128, 16), (4, 256, 16), (1, 40, 5)):
-        jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]",
-                     paged_attention._chunks_kernel(dt, group, hd, page),
-                     f"void({F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3})"))
+        chunks, one_launch = paged_attention._chunks_kernels(dt, group, hd, page)
+        args = f"{F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3}"
+        jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]", chunks, f"void({args})"))
+        if (group, hd) == (3, 64):
+            jobs.append((f"flash_decode[{dt}, G={group}, hd={hd}]", one_launch, f"void({args}, {I1})"))
 jobs.append(("merge_chunks", paged_attention.merge_chunks, f"void({F4}, {F3}, {F3}, {I1}, int64, int64, {F3})"))
 ptxas = shutil.which("ptxas")
 verbose = os.environ.get("PTXAS_VERBOSE") == "1"  # registers and spills of each kernel, printed
@@ -667,7 +677,7 @@ class _RecordingRuntime(_CountingRuntime):
 
     def launch(self, name, kernel, grid, block, *args):
         if name.startswith("matmul_split_k"):
-            self.partials.append(args[3].shape)  # (a, weights, bias, partial, done, out)
+            self.partials.append(args[5].shape)  # (a, gamma, eps, weights, bias, partial, done, out)
         super().launch(name, kernel, grid, block, *args)
 
 

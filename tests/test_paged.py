@@ -227,11 +227,11 @@ def paged_case(rng, T, H, Hkv, hd, n, dtype, page_size, spare_pages=3):
     return q, k, v, page_table, positions, k_log, v_log
 
 
-def run_flash(q, k, v, page_table, positions, page_size, max_len=None):
+def run_flash(q, k, v, page_table, positions, page_size, max_len=None, one_launch=False):
     T, H, hd = q.shape
     out = dev(np.full((T, H, hd), np.nan, np.float32))
     return pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page_size,
-                              max_len=max_len, out=out).copy_to_host()
+                              max_len=max_len, out=out, one_launch=one_launch).copy_to_host()
 
 
 def rescales(n, Hkv, hd):

@@ -5,7 +5,7 @@ cache changes the work, not the result (bit for bit against recomputation); the 
 import numpy as np
 import pytest
 
-from course_lib.gpu.backend import PAGED, CudaBackend
+from course_lib.gpu.backend import FUSED, PAGED, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.sampling import sample
 from course_lib.measure.profiler import _without_holds, profile_decode
@@ -51,7 +51,7 @@ def test_cache_equals_no_cache(request, temperature):
     model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_NO_CACHE
-    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=PAGED) for _ in range(2))
+    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=FUSED) for _ in range(2))  # the default's
     ids = list(prompt)
     logits = cached.prefill(ids)
     for _ in range(N_NO_CACHE):
@@ -76,10 +76,12 @@ def test_cache_equals_one_full_prefill(request, temperature):
     the paged forward pass does not depend on the other rows of its pass (see test_cache_equals_no_cache, which
     recomputes every prefix), so that row is what recomputing the prefix alone gives; then, step by step, the
     uncached generation would have chosen the same tokens."""
+    if SIMULATOR and temperature == 0:
+        pytest.skip("simulator time: the bits do not depend on how the tokens were chosen (seeded covers it)")
     model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_FULL_PREFILL
-    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=PAGED) for _ in range(2))
+    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=FUSED) for _ in range(2))  # the default's
     ids, steps = list(prompt), [cached.prefill(prompt)]
     while len(ids) < capacity:
         ids.append(sample(steps[-1], temperature, None, 0.95 if temperature else None, seed=11, position=len(ids)))

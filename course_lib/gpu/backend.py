@@ -17,6 +17,7 @@ from .. import reference
 from ..kernels import attention as k_attention
 from ..kernels import copy as k_copy
 from ..kernels import elementwise as k_elt
+from ..kernels import fused as k_fused
 from ..kernels import matmul as k_matmul
 from ..kernels import narrow as k_narrow
 from ..kernels import paged_attention as k_paged
@@ -40,11 +41,22 @@ OP_CHOICES = {
     "bias": ("separate", "fused"),
     # the residual add after the O and down projections: its own kernel | in the matmul's reduction (notebook 05)
     "residual": ("separate", "fused"),
+    # RMSNorm: its own kernel writing the normalized rows | computed by the blocks of the projection that reads them
+    "norm": ("separate", "fused"),
+    # Q, K, V: three matmuls, two RoPE kernels, two cache writes | one matmul with RoPE and the cache write in its
+    # epilogue (notebook 05)
+    "qkv": ("separate", "fused"),
+    # SwiGLU: gate and up matmuls, then silu(gate) * up | one matmul on the interleaved gate/up columns with the
+    # product in its epilogue (notebook 05)
+    "swiglu": ("separate", "fused"),
+    # flash-decoding: the chunks, then a merge kernel | one kernel, the last chunk of each head to finish merges
+    # (notebook 05)
+    "attention": ("two_kernels", "one_kernel"),
 }
 BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
 NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
 PAGED = NARROW | {"kv_cache": "paged"}
-FUSED = PAGED | {"residual": "fused"}
+FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused", "attention": "one_kernel"}
 PAGE_SIZE = 16
 
 
@@ -60,14 +72,19 @@ def resolve_ops(ops: dict | None) -> dict:
         raise ValueError("the paged cache comes after the narrow matmul: use matmul='narrow' with it")
     if chosen["bias"] == "fused" and chosen["matmul"] != "narrow":
         raise ValueError("a fused bias is added by the narrow matmul's reduction: use matmul='narrow' with it")
-    if chosen["residual"] == "fused" and chosen["kv_cache"] != "paged":
-        raise ValueError("a fused residual is added by the narrow matmul's reduction, which only the paged cache's "
-                         "step uses for every row count: use kv_cache='paged' with it")
+    if chosen["attention"] == "one_kernel" and chosen["kv_cache"] != "paged":
+        raise ValueError("attention in one kernel is flash-decoding's: use kv_cache='paged' with it")
+    for op in ("residual", "norm", "qkv", "swiglu"):
+        if chosen[op] == "fused" and chosen["kv_cache"] != "paged":
+            raise ValueError(f"a fused {op} is done by the split-K matmul, which only the paged cache's step uses "
+                             "for every row count: use kv_cache='paged' with it")
     return chosen
 
 
-def upload_weights(model: Model, rt: Runtime, dtype: str) -> dict:
-    """{name: device array}: matrices and the embedding table in `dtype` ('f32' or 'bf16'), norms in float32."""
+def upload_weights(model: Model, rt: Runtime, dtype: str, ops: dict = BASELINE) -> dict:
+    """{name: device array}: matrices and the embedding table in `dtype` ('f32' or 'bf16'), norms in float32.
+    The layout follows the ops: with a fused qkv, a layer has w_qkv = [wq | wk | wv] (and b_qkv) instead; with a
+    fused swiglu, w_gu = interleave_gate_up(w_gate, w_up) instead of the two."""
     if dtype not in ("f32", "bf16"):
         raise ValueError(f"weight dtype must be 'f32' or 'bf16', got {dtype!r}")
 
@@ -79,9 +96,15 @@ def upload_weights(model: Model, rt: Runtime, dtype: str) -> dict:
     out = {"embed": put(w.embed), "final_norm": put(w.final_norm, True),
            "lm_head": None if w.lm_head is None else put(w.lm_head), "layers": []}
     for lw in w.layers:
+        host = dict(vars(lw))
+        if ops["qkv"] == "fused":
+            host["w_qkv"] = np.concatenate([host.pop(m) for m in ("wq", "wk", "wv")], axis=1)
+            biases = [host.pop(b) for b in ("bq", "bk", "bv")]
+            host["b_qkv"] = None if biases[0] is None else np.concatenate(biases)
+        if ops["swiglu"] == "fused":
+            host["w_gu"] = k_fused.interleave_gate_up(host.pop("w_gate"), host.pop("w_up"))
         out["layers"].append({
-            name: (None if value is None else put(value, keep_f32=value.ndim == 1))
-            for name, value in vars(lw).items()
+            name: (None if value is None else put(value, keep_f32=value.ndim == 1)) for name, value in host.items()
         })
     return out
 
@@ -98,7 +121,7 @@ class CudaBackend:
         self.ops = resolve_ops(ops)
         self.paged = self.ops["kv_cache"] == "paged"
         self.rt = Runtime(fast=fast_launch, reuse=self.paged)
-        self.w = upload_weights(model, self.rt, weights)
+        self.w = upload_weights(model, self.rt, weights, self.ops)
         cos, sin = reference.rope_tables(self.config, capacity)
         self.cos, self.sin = self.rt.to_device(cos, persistent=True), self.rt.to_device(sin, persistent=True)
         self.capacity = capacity
@@ -174,28 +197,16 @@ class CudaBackend:
         c, w = self.config, self.w
         x = k_elt.embedding(w["embed"], ids_d, out=rt.empty((T, c.d_model), name="x"), rt=rt)
         for i, lw in enumerate(w["layers"]):
-            h = k_elt.rms_norm(x, lw["attn_norm"], c.rms_eps, out=rt.empty((T, c.d_model), name="h"), rt=rt)
-            q, k, v = (self._linear(rt, h, lw[m], lw[b], name=m[1]) for m, b in (("wq", "bq"), ("wk", "bk"),
-                                                                               ("wv", "bv")))
-            q, k, v = (reshaped(y, T, -1, c.head_dim) for y in (q, k, v))
-            k_elt.rope(q, self.cos, self.sin, pos_d, rt=rt)
-            k_elt.rope(k, self.cos, self.sin, pos_d, rt=rt)
+            q = self._attention_inputs(rt, x, lw, i, pos_d, slots_d, T, max_len)
             if self.paged:
-                k_paged.write_rows(k, self.cache.k[i], slots_d, rt=rt)
-                k_paged.write_rows(v, self.cache.v[i], slots_d, rt=rt)
                 a = k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table_d, pos_d, PAGE_SIZE,
                                             max_len=max_len, out=rt.empty((T, c.n_heads, c.head_dim), name="attn"),
-                                            rt=rt)
+                                            rt=rt, one_launch=self.ops["attention"] == "one_kernel")
             else:
-                self.k_cache[i] = self._grow(self.k_cache[i], k.reshape(T, c.d_kv))
-                self.v_cache[i] = self._grow(self.v_cache[i], v.reshape(T, c.d_kv))
                 a = k_attention.attention(q, self.k_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim),
                                           self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
             x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw["wo"], name="o")
-            h = k_elt.rms_norm(x, lw["mlp_norm"], c.rms_eps, out=rt.empty((T, c.d_model), name="h"), rt=rt)
-            gate, up = self._linear(rt, h, lw["w_gate"], name="gate"), self._linear(rt, h, lw["w_up"], name="up")
-            act = k_elt.silu_mul(gate, up, out=rt.empty((T, c.d_ff), name="act"), rt=rt)
-            x = self._add_linear(rt, x, act, lw["w_down"], name="down")
+            x = self._add_linear(rt, x, self._mlp_inputs(rt, x, lw, T), lw["w_down"], name="down")
         rows = T if all_logits else 1
         h = k_elt.rms_norm(x if all_logits else x[T - 1:], w["final_norm"], c.rms_eps,
                            out=rt.empty((rows, c.d_model), name="h_final"), rt=rt)
@@ -205,6 +216,46 @@ class CudaBackend:
             return self._by_rows(rt, lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt), h,
                                  c.vocab_size, "logits")
         return k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
+
+    def _attention_inputs(self, rt, x, lw, i, pos_d, slots_d, T, max_len):
+        """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm, the Q, K, V
+        projections and RoPE, in one kernel with the fused qkv, else a kernel for each."""
+        c = self.config
+        h, norm = self._normed(rt, x, lw["attn_norm"])
+        if self.ops["qkv"] == "fused":
+            q = k_fused.qkv_rope(h, lw["w_qkv"], lw["b_qkv"], norm, self.cos, self.sin, pos_d, slots_d,
+                                 rt.empty((T, c.d_model), name="q"), self.cache.k[i], self.cache.v[i], rt=rt)
+            return reshaped(q, T, c.n_heads, c.head_dim)
+        q, k, v = (self._linear(rt, h, lw[m], lw[b], name=m[1], norm=norm) for m, b in (("wq", "bq"), ("wk", "bk"),
+                                                                                       ("wv", "bv")))
+        q, k, v = (reshaped(y, T, -1, c.head_dim) for y in (q, k, v))
+        k_elt.rope(q, self.cos, self.sin, pos_d, rt=rt)
+        k_elt.rope(k, self.cos, self.sin, pos_d, rt=rt)
+        if self.paged:
+            k_paged.write_rows(k, self.cache.k[i], slots_d, rt=rt)
+            k_paged.write_rows(v, self.cache.v[i], slots_d, rt=rt)
+        else:
+            self.k_cache[i] = self._grow(self.k_cache[i], k.reshape(T, c.d_kv))
+            self.v_cache[i] = self._grow(self.v_cache[i], v.reshape(T, c.d_kv))
+        return q
+
+    def _mlp_inputs(self, rt, x, lw, T):
+        """silu(gate) * up [T, d_ff] of RMSNorm(x): one kernel with the fused swiglu, else two matmuls and the
+        product's kernel (and the norm's, unless fused)."""
+        h, norm = self._normed(rt, x, lw["mlp_norm"])
+        if self.ops["swiglu"] == "fused":
+            return k_fused.gate_up_swiglu(h, lw["w_gu"], norm, rt.empty((T, self.config.d_ff), name="act"), rt=rt)
+        gate = self._linear(rt, h, lw["w_gate"], name="gate", norm=norm)
+        up = self._linear(rt, h, lw["w_up"], name="up", norm=norm)
+        return k_elt.silu_mul(gate, up, out=rt.empty((T, self.config.d_ff), name="act"), rt=rt)
+
+    def _normed(self, rt, x, gamma):
+        """(rows, norm) to give the next projections: (x, (gamma, eps)) when they normalize it themselves, else
+        (RMSNorm(x) gamma written by the norm kernel, None)."""
+        if self.ops["norm"] == "fused":
+            return x, (gamma, self.config.rms_eps)
+        h = k_elt.rms_norm(x, gamma, self.config.rms_eps, out=rt.empty(x.shape, name="h"), rt=rt)
+        return h, None
 
     def _by_rows(self, rt, f, x, n_out, name, out=None):
         """f(x, out) for a kernel of at most MAX_ROWS rows, into `out` or else the buffer `name` [rows, n_out]:
@@ -228,7 +279,7 @@ class CudaBackend:
                                  name, out=x)
         return k_elt.add(x, self._linear(rt, a, weight, name=name), out=rt.empty(x.shape, name="x"), rt=rt)
 
-    def _linear(self, rt, x, weight, bias=None, name=None):
+    def _linear(self, rt, x, weight, bias=None, name=None, norm=None):
         """x [T, K] @ weight + bias into the buffer `name`, with the chosen matmul; the bias in its own kernel
         unless fused. With the paged cache, the narrow matmul takes the rows 16 at a time even in a long prefill
         (not the tiled kernel): a token's result is then the same bits whether it comes alone or inside a prompt
@@ -236,7 +287,8 @@ class CudaBackend:
         fused = self.ops["bias"] == "fused"
         if self.ops["matmul"] == "narrow" and self.paged:
             y = self._by_rows(rt, lambda rows, out: k_narrow.matmul_narrow(rows, weight, bias if fused else None, out,
-                                                                           rt=rt), x, weight.shape[1], name)
+                                                                           rt=rt, norm=norm), x, weight.shape[1],
+                              name)
         elif self.ops["matmul"] == "narrow":
             y = k_narrow.linear(x, weight, bias if fused else None, out=rt.empty((x.shape[0], weight.shape[1]),
                                                                                  name=name), rt=rt)

@@ -7,7 +7,7 @@ recorded once and replayed:
   `slot` (its cache row), with the sequence's `page_table`;
 - every intermediate is a buffer allocated once under a name (as the fields of llama2.c's RunState: `x`, `h`,
   `q`, `k`, `v`, `attn`, `o`, `gate`, `up`, `act`, `down`, `h_final`, `logits`), and every split-K matmul has its
-  own scratch (`Runtime.split_k_scratch`);
+  own scratch (`Runtime.per_site`);
 - the grids are sized for the longest context the plan can reach: flash-decoding launches the chunks of a query at
   `capacity` keys and always launches its merge; blocks past the current context return at once;
 - the step ends with `sampling.sample_next`, which chooses the next token on the GPU, writes it into `token`,

@@ -104,8 +104,8 @@ class Runtime:
         self._fast_kernels = {}
         self._pool = {}  # name, or call index in the pass -> device array, when reuse is on
         self._recording: list | None = None  # launches recorded instead of run (see `record`)
-        self._scratch: dict | None = None  # per-call-site split-K scratch while recording
-        self._split_k_calls = 0
+        self._scratch: dict | None = None  # per-call-site scratch while recording (per_site)
+        self._scratch_calls = 0
         self._staging = {}  # call index -> (pinned host buffer, event of its last copy), for to_device
         self._calls = 0
         self.launches = 0
@@ -115,7 +115,7 @@ class Runtime:
 
     def begin_pass(self):
         self._calls = 0
-        self._split_k_calls = 0
+        self._scratch_calls = 0
 
     def empty(self, shape, dtype=np.float32, name: str | None = None):
         """A device array: fresh and counted, or (reuse) the one this name, or this call, got in an earlier pass.
@@ -136,28 +136,37 @@ class Runtime:
         return arr
 
     def split_k_scratch(self, partial_shape, groups: int):
-        """(partial sums [S, rows, N] float32, done counters [>= groups] int32 zeros) for one split-K launch.
-
-        Launched one by one, every split-K launch of the process shares one buffer of each (narrow.partial_sums
-        and narrow.done_counters: one stream, one launch at a time). While recording a plan, each call site gets
-        its own, kept with the plan: a shared buffer may be replaced by a larger one, and a recorded launch would
-        then point at freed memory."""
+        """(partial sums [S, rows, N] float32, completion counters [>= groups] int32 zeros) for one split-K launch.
+        See per_site."""
         from ..kernels import narrow
 
+        return (self.per_site(lambda: narrow.partial_sums(partial_shape),
+                              lambda: cuda.device_array(partial_shape, np.float32)), self.counters(groups))
+
+    def counters(self, n: int):
+        """Completion counters [>= n] int32 zeros for one launch (kernels.last_to_arrive). See per_site."""
+        from ..kernels import completion_counters
+
+        return self.per_site(lambda: completion_counters(n), lambda: cuda.to_device(np.zeros(n, np.int32)))
+
+    def per_site(self, shared, own):
+        """Scratch for one launch: shared(), launched one by one (every launch of the process shares one buffer:
+        one stream, one launch at a time); while recording a plan, own(), made once per call site and kept with the
+        plan: a shared buffer may be replaced by a larger one, and a recorded launch would then point at freed
+        memory."""
         if self._scratch is None:
-            return narrow.partial_sums(partial_shape), narrow.done_counters(groups)
-        site = self._split_k_calls
-        self._split_k_calls += 1
+            return shared()
+        site = self._scratch_calls
+        self._scratch_calls += 1
         if site not in self._scratch:
-            self.allocations += 2
-            self._scratch[site] = (cuda.device_array(partial_shape, np.float32),
-                                   cuda.to_device(np.zeros(groups, np.int32)))
+            self.allocations += 1
+            self._scratch[site] = own()
         return self._scratch[site]
 
     def record(self, body, scratch_per_site: bool = False) -> list:
         """Run body() with launches recorded, not run: -> [(name, kernel, grid, block, args)], in order. Also a way
         to count what a pass launches and allocates without running it (allocations and uploads do happen).
-        scratch_per_site: every split-K launch gets scratch of its own (a step plan: the arrays stay the recorded
+        scratch_per_site: every launch gets scratch of its own (a step plan: the arrays stay the recorded
         launches' own)."""
         self._recording, self._scratch = [], {} if scratch_per_site else None
         self.begin_pass()

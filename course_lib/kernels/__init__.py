@@ -22,7 +22,7 @@ from course_lib import device as _device
 
 _device.ensure_simulator_if_no_gpu()
 
-from numba import cuda, uint32  # noqa: E402  (after the simulator has been chosen)
+from numba import cuda, int32, uint32  # noqa: E402  (after the simulator has been chosen)
 from numba.cuda.core import config as _config  # noqa: E402
 
 # Small grids are the point of the baseline (one row per token): Numba's occupancy warning is expected.
@@ -84,6 +84,37 @@ def pick(kernels: dict, w):
         raise TypeError(f"weights must be float32 or bf16 stored as uint16, got {w.dtype}") from None
 
 
+@cuda.jit(device=True)
+def last_to_arrive(counters, i, count):
+    """True in the last of the `count` blocks that call this with counter i, False in the others; every thread of
+    a block calls, after writing what the last block will read. Each block makes its writes visible to the whole
+    GPU (threadfence) before one of its threads counts it (an atomic add on counters[i]); the block that brings the
+    count to `count` has every other block's writes to read, and resets counters[i] to 0 for the next launch. The
+    atomic only elects a block: what the last block computes never depends on the order of arrival."""
+    last = cuda.shared.array(1, dtype=int32)
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        last[0] = cuda.atomic.add(counters, i, 1) == count - 1
+    cuda.syncthreads()
+    if last[0] and cuda.threadIdx.x == 0:
+        counters[i] = 0  # every block has counted itself
+    return last[0] != 0
+
+
+_counters = None  # the completion counters of the launches made one by one: zero between launches
+
+
+def completion_counters(n: int):
+    """An int32 device array of at least n zeros for a launch's `last_to_arrive` counters, kept for every such
+    launch of the process (one stream at a time: two kernels running concurrently would share it); each launch's
+    last blocks leave their counters at zero."""
+    global _counters
+    if _counters is None or _counters.size < n:
+        _counters = cuda.to_device(np.zeros(max(n, 4096), np.int32))
+    return _counters
+
+
 def launch(kernel, grid, block, stream, rt, *args):
     """kernel[grid, block, stream](*args), or rt.launch(name, kernel, grid, block, *args) when a Runtime is given."""
     if rt is None:
@@ -116,5 +147,5 @@ def empty(shape, dtype=np.float32, stream=0, rt=None):
     return cuda.device_array(shape, dtype, stream=stream) if rt is None else rt.empty(shape, dtype)
 
 
-__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "compiled_once", "cuda", "empty",
-           "f32_weight", "for_weight_dtypes", "launch", "pick", "reshaped", "sized"]
+__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "compiled_once", "completion_counters", "cuda",
+           "empty", "f32_weight", "for_weight_dtypes", "last_to_arrive", "launch", "pick", "reshaped", "sized"]

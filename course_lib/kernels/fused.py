@@ -48,14 +48,15 @@ def interleave_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
 @functools.cache
 def _rope_store_for(group, head_dim, bias_f32, store_kv):
     half = head_dim // 2
+    tile_rows = nw.KERNEL_ROWS  # a compile-time constant for the shared array's shape
 
     @cuda.jit(device=True)
     def rope_store(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
         """Columns of group g of [q | k | v] (partial [S, R, N], N = (H + 2 Hkv) hd): summed over the slices
         (+ bias), then the q and k heads rotated by RoPE at positions[r], q written to q [R, H hd], k and v to
         row slots[r] of k_table, v_table [rows, Hkv, hd] (stored by store_kv; a slot < 0 is skipped)."""
-        tile = cuda.shared.array((nw.KERNEL_ROWS, group), dtype=float32)
-        rows, N = partial.shape[1], partial.shape[2]
+        tile = cuda.shared.array((tile_rows, group), dtype=float32)
+        rows, N = q.shape[0], partial.shape[2]  # the launch's rows (partial may have more)
         n_q, n_kv = q.shape[1], k_table.shape[1] * k_table.shape[2]
         for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
             r, c = e // group, e % group
@@ -94,7 +95,7 @@ def _swiglu_store_for(group, bias_f32):
     def swiglu_store(g, partial, bias, out):
         """out[r, j] = silu(gate) * up for the output columns j of group g: gate column j is column
         (j // PAIR) 2 PAIR + j % PAIR of W_gu, up the one PAIR further (partial [S, R, 2F], out [R, F])."""
-        rows, F = partial.shape[1], out.shape[1]
+        rows, F = out.shape[0], out.shape[1]  # the launch's rows (partial may have more)
         for e in range(cuda.threadIdx.x, rows * outs, cuda.blockDim.x):
             r, j = e // outs, g * outs + e % outs
             if j < F:

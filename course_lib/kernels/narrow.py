@@ -37,15 +37,17 @@ Kernels are built on first use by factories, one per (R, weight kind), and kept 
 import functools
 
 import numpy as np
-from numba import float32, int32
+from numba import float32
 
 from course_lib.kernels import (
     WEIGHT_READERS,
     bf16_weight,
     cached_view,
+    completion_counters,
     cuda,
     empty,
     f32_weight,
+    last_to_arrive,
     launch,
     pick,
     sized,
@@ -143,7 +145,6 @@ def split_k_block_for(rows, width, load, normed):
         into partial[s] [R, N], then counts itself in done[g]. Returns True in the group's last block to finish
         (every slice of the group is then in partial), False elsewhere. Every thread of the block calls."""
         sums = cuda.shared.array((WARPS, group), dtype=float32)
-        last = cuda.shared.array(1, dtype=int32)
         scratch = cuda.shared.array(32, dtype=float32)
         scale = cuda.local.array(rows, dtype=float32)
         acc = cuda.local.array((rows, width), dtype=float32)
@@ -188,14 +189,7 @@ def split_k_block_for(rows, width, load, normed):
             cuda.syncthreads()
             store_row(sums, partial, s, r, g * group)
             cuda.syncthreads()
-        cuda.threadfence()  # our partial sums are visible to every block before we are counted
-        cuda.syncthreads()
-        if tid == 0:
-            last[0] = cuda.atomic.add(done, g, 1) == S - 1
-        cuda.syncthreads()
-        if last[0] and tid == 0:
-            done[g] = 0  # ready for the next launch (every block of the group has counted itself)
-        return last[0] != 0
+        return last_to_arrive(done, g, S)
 
     return split_k_block
 
@@ -209,7 +203,7 @@ def store_group_for(group, bias_f32, accumulate):
 
     @cuda.jit(device=True)
     def store_group(g, partial, bias, out):
-        rows, N = partial.shape[1], partial.shape[2]
+        rows, N = out.shape[0], out.shape[1]  # the launch's rows (partial may have more: a launch of fewer rows)
         for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
             r, n = e // group, g * group + e % group
             if n < N:
@@ -368,22 +362,12 @@ def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate:
     return _KERNELS[key]
 
 
-_done = None  # the split-K kernels' per-group counters: zero between launches (the last block resets its own)
 _partial = None  # the split-K kernels' partial sums: overwritten by every launch
-
-
-def done_counters(groups: int):
-    """An int32 device array of at least `groups` zeros, kept for all split-K launches of the process (one
-    stream at a time: two split-K kernels running concurrently would share it)."""
-    global _done
-    if _done is None or _done.size < groups:
-        _done = cuda.to_device(np.zeros(max(groups, 4096), np.int32))
-    return _done
 
 
 def partial_sums(shape):
     """A float32 device array of `shape` for a launch's partial sums [S, rows, N], a view of one buffer kept for
-    all split-K launches of the process (grown when too small; one stream at a time, as done_counters), made once
+    all split-K launches of the process (grown when too small; one stream at a time, as completion_counters), made once
     per shape: a decode step's 200-odd matmuls allocate nothing and make no new view (either costs more host time
     than the launch)."""
     global _partial
@@ -448,7 +432,8 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
     shape = (slices, min(R, KERNEL_ROWS), N)
-    partial, done = (partial_sums(shape), done_counters(groups)) if rt is None else rt.split_k_scratch(shape, groups)
+    partial, done = ((partial_sums(shape), completion_counters(groups)) if rt is None
+                     else rt.split_k_scratch(shape, groups))
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
     gamma, eps = norm_args(norm, K)
     for r0 in range(0, R, KERNEL_ROWS):

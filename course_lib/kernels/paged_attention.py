@@ -39,7 +39,18 @@ import math
 import numpy as np
 from numba import float32, int32, uint16, uint32
 
-from course_lib.kernels import SIMULATOR, cuda, empty, f32_weight, launch, pick, sized, sm_count
+from course_lib.kernels import (
+    SIMULATOR,
+    completion_counters,
+    cuda,
+    empty,
+    f32_weight,
+    last_to_arrive,
+    launch,
+    pick,
+    sized,
+    sm_count,
+)
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
@@ -55,6 +66,7 @@ SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
 MAX_CHUNKS = 1024  # chunks per query at most
 MERGE_THREADS = sized(256, 32)
 MERGE_UNROLL = 8  # chunks each merge thread loads at once (their o, m and l)
+assert MERGE_THREADS == THREADS, "flash_decode's blocks merge with merge_head, written for MERGE_THREADS threads"
 WRITE_THREADS = sized(256, 64)
 
 
@@ -210,16 +222,16 @@ def _make_chunks(load8, group, head_dim, page_size):
                             acc[g, e] += p * v_r[u, e]
                 m[g] = m_new
 
-    @cuda.jit(**_CHUNK_BOUNDS)
-    def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
-                            l_part):
+    @cuda.jit(device=True)
+    def chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
+                    l_part):
         """Chunk c of the keys 0..positions[t] of query t, KV head kvh, for its G query heads h0 .. h0 + G - 1.
 
         q [T, H, hd] float32; k_words, v_words: the tables [rows, Hkv, hd] seen as flat uint32 words; page_table
         [P] int32; positions [T] int32. A query with one chunk is normalized and written to out [T, H, hd]
         float32 at once; otherwise the block writes o_part [T, H, C, hd] (sum_j p_j v_j, unnormalized), m_part and
-        l_part [T, H, C] (max of the scores, sum of p = exp(score - m)), for merge_chunks. Grid (C, Hkv, T), block
-        THREADS; a block whose chunk starts past its query's keys returns at once.
+        l_part [T, H, C] (max of the scores, sum of p = exp(score - m)), for the merge. Returns the query's number
+        of chunks, or 0 at once when chunk c starts past its keys. Block THREADS.
         """
         q_s = cuda.shared.array((group, head_dim), dtype=float32)
         m_w = cuda.shared.array((WARPS, group), dtype=float32)
@@ -237,7 +249,7 @@ def _make_chunks(load8, group, head_dim, page_size):
         length = _chunk_len(n, target, unit)
         lo = c * length
         if lo >= n:
-            return
+            return 0
         hi = min(lo + length, n)
         n_kv = q.shape[1] // group
         lane, warp = tid % 32, tid // 32
@@ -301,21 +313,42 @@ def _make_chunks(load8, group, head_dim, page_size):
                 if d == 0:
                     m_part[t, h0 + g, c] = m_all
                     l_part[t, h0 + g, c] = l_all
+        return count
 
-    return flash_decode_chunks
+    @cuda.jit(**_CHUNK_BOUNDS)
+    def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
+                            l_part):
+        """chunk_block (c, kvh, t) = blockIdx (x, y, z); merge_chunks merges the queries with several chunks.
+        Grid (C, Hkv, T), block THREADS."""
+        chunk_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions,
+                    target, unit, scale, out, o_part, m_part, l_part)
+
+    @cuda.jit(**_CHUNK_BOUNDS)
+    def flash_decode(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part,
+                     counters):
+        """Attention in one launch: chunk_block, then the last of a query's chunk blocks for KV head kvh to finish
+        (counters[t Hkv + kvh], last_to_arrive) merges the G heads of the group (merge_head). Grid (C, Hkv, T),
+        block THREADS (= MERGE_THREADS)."""
+        kvh, t = cuda.blockIdx.y, cuda.blockIdx.z
+        count = chunk_block(cuda.blockIdx.x, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale,
+                            out, o_part, m_part, l_part)
+        if count > 1 and last_to_arrive(counters, t * cuda.gridDim.y + kvh, count):
+            for g in range(group):
+                merge_head(o_part, m_part, l_part, t, kvh * group + g, count, out)
+
+    return flash_decode_chunks, flash_decode
 
 
-@cuda.jit
-def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
+@cuda.jit(device=True)
+def merge_head(o_part, m_part, l_part, t, h, n_chunks, out):
     """out[t, h] = sum_c w_c o_part[t, h, c] / sum_c w_c l_part[t, h, c], w_c = exp(m_part[t, h, c] - M), M the
-    largest m, over the query's own chunks c < ceil(n / chunk_len(n)), n = positions[t] + 1 (a query with one
-    chunk is left alone: flash_decode_chunks wrote it).
+    largest m, over the chunks c < n_chunks of query t (n_chunks > 1).
 
-    o_part [T, H, C, hd], m_part, l_part [T, H, C], out [T, H, hd], float32. Grid (H, T), block MERGE_THREADS.
-    Thread (cg, dl) merges component d = d0 + dl of the chunks cg, cg + groups, ...: MERGE_UNROLL chunks per
-    round, their o, m and l loaded at once (one memory latency for all, none waiting on another), into a running
-    max m and the sums of exp(m_c - m) o_c and exp(m_c - m) l_c (rescaled by exp(m_old - m_new) when a round
-    raises m). The groups then meet in shared memory and are added in group order: a fixed order throughout.
+    o_part [T, H, C, hd], m_part, l_part [T, H, C], out [T, H, hd], float32; block MERGE_THREADS. Thread (cg, dl)
+    merges component d = d0 + dl of the chunks cg, cg + groups, ...: MERGE_UNROLL chunks per round, their o, m and
+    l loaded at once (one memory latency for all, none waiting on another), into a running max m and the sums of
+    exp(m_c - m) o_c and exp(m_c - m) l_c (rescaled by exp(m_old - m_new) when a round raises m). The groups then
+    meet in shared memory and are added in group order: a fixed order throughout.
     """
     m_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
     o_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
@@ -323,12 +356,7 @@ def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
     o_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     m_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     l_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
-    h, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    n = positions[t] + 1
-    length = _chunk_len(n, target, unit)
-    n_chunks = (n + length - 1) // length
-    if n_chunks == 1:  # flash_decode_chunks normalized it
-        return
+    tid = cuda.threadIdx.x
     hd = out.shape[2]
     span = min(hd, MERGE_THREADS)
     groups = MERGE_THREADS // span
@@ -371,11 +399,25 @@ def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
         cuda.syncthreads()
 
 
-_CHUNKS = {}  # (dtype, group, head_dim, page_size) -> kernel, built on first use
+@cuda.jit
+def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
+    """merge_head for head h = blockIdx.x of query t = blockIdx.y, over the query's own chunks c < ceil(n /
+    chunk_len(n)), n = positions[t] + 1 (a query with one chunk is left alone: flash_decode_chunks wrote it).
+    Grid (H, T), block MERGE_THREADS."""
+    t = cuda.blockIdx.y
+    n = positions[t] + 1
+    length = _chunk_len(n, target, unit)
+    n_chunks = (n + length - 1) // length
+    if n_chunks > 1:
+        merge_head(o_part, m_part, l_part, t, cuda.blockIdx.x, n_chunks, out)
 
 
-def _chunks_kernel(dtype, group, head_dim, page_size):
-    """flash_decode_chunks for tables of `dtype` (float32, or uint16 holding bf16), built on first use."""
+_CHUNKS = {}  # (dtype, group, head_dim, page_size) -> (flash_decode_chunks, flash_decode), built on first use
+
+
+def _chunks_kernels(dtype, group, head_dim, page_size):
+    """(flash_decode_chunks, flash_decode) for tables of `dtype` (float32, or uint16 holding bf16), built on first
+    use."""
     key = (np.dtype(dtype), group, head_dim, page_size)
     if key not in _CHUNKS:
         loads = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}
@@ -386,8 +428,9 @@ def _chunks_kernel(dtype, group, head_dim, page_size):
 
 
 def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_len=None, out=None, stream=0,
-                    rt=None):
-    """Causal GQA attention of one sequence through its page table (flash_decode_chunks, then merge_chunks).
+                    rt=None, one_launch: bool = False):
+    """Causal GQA attention of one sequence through its page table: flash_decode_chunks, then merge_chunks; or,
+    one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish).
 
     q [T, H, hd] float32; k_table, v_table [rows, Hkv, hd] float32 or uint16 (bf16 bits), same dtype, 16-byte
     aligned; page_table [P] int32 (the sequence's pages, logical order); positions [T] int32: query t sees logical
@@ -395,7 +438,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     P * page_size, unchecked). max_len: an upper bound of max(positions) + 1 on the host (it sizes the grid; a
     larger one costs idle blocks, never changes the result); None reads positions back from the device (a sync).
     H a multiple of Hkv, G = H / Hkv <= MAX_GROUP, hd a multiple of 8 and <= MAX_HEAD_DIM, G hd <= MAX_GROUP_DIMS.
-    -> out [T, H, hd] float32.
+    -> out [T, H, hd] float32 (the same bits either way).
     """
     T, H, hd = q.shape
     Hkv = k_table.shape[1]
@@ -407,7 +450,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
                          f"hd a multiple of 8, <= {MAX_HEAD_DIM}, H / Hkv x hd <= {MAX_GROUP_DIMS})")
     if not (aligned16(k_table) and aligned16(v_table)):
         raise ValueError("flash_attention: the key and value tables must be C-contiguous and 16-byte aligned")
-    kernel = _chunks_kernel(k_table.dtype, H // Hkv, hd, page_size)
+    chunks_kernel, one_kernel = _chunks_kernels(k_table.dtype, H // Hkv, hd, page_size)
     out = empty((T, H, hd), np.float32, stream, rt) if out is None else out
     if T == 0:
         return out
@@ -420,11 +463,14 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)
     if n_chunks == 1:  # every query normalizes its one chunk: no partial results (out stands in), no merge
-        launch(kernel, (1, Hkv, T), THREADS, stream, rt, *common, out.reshape(T, H, 1, hd), out, out)
+        launch(chunks_kernel, (1, Hkv, T), THREADS, stream, rt, *common, out.reshape(T, H, 1, hd), out, out)
         return out
-    o_part = empty((T, H, n_chunks, hd), np.float32, stream, rt)
-    m_part = empty((T, H, n_chunks), np.float32, stream, rt)
-    l_part = empty((T, H, n_chunks), np.float32, stream, rt)
-    launch(kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, o_part, m_part, l_part)
-    launch(merge_chunks, (H, T), MERGE_THREADS, stream, rt, o_part, m_part, l_part, positions, target, unit, out)
+    parts = (empty((T, H, n_chunks, hd), np.float32, stream, rt), empty((T, H, n_chunks), np.float32, stream, rt),
+             empty((T, H, n_chunks), np.float32, stream, rt))
+    if one_launch:
+        counters = completion_counters(T * Hkv) if rt is None else rt.counters(T * Hkv)
+        launch(one_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts, counters)
+    else:
+        launch(chunks_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts)
+        launch(merge_chunks, (H, T), MERGE_THREADS, stream, rt, *parts, positions, target, unit, out)
     return out
