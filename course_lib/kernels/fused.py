@@ -14,7 +14,9 @@ epilogue in that last block, where the whole K-sum of its columns is known:
   elementwise kernel, and the [T, 2 d_ff] intermediate never reaches memory.
 
 The arithmetic of each output element is the unfused kernels' own, in the same order (`row_rms`, `sum_slices`,
-`rotated_first` / `rotated_second`, `silu_times`): the fused step gives the same bits as the unfused one.
+`rotated_first` / `rotated_second`, `silu_times`), and gate_up_swiglu splits K as the gate and up matmuls do: its
+outputs have the unfused kernels' bits. So do qkv_rope's when the three matmuls it replaces split K alike (SmolLM2:
+every split is capped by K; a model whose q and k, v projections split K differently gets other roundings).
 """
 
 import functools
@@ -126,7 +128,7 @@ def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim):
             epilogue(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q)
 
     qkv_rope_split_k.__name__ = qkv_rope_split_k.__qualname__ = "qkv_rope_split_k" + ("_vec" if width > 1 else "")
-    return cuda.jit(qkv_rope_split_k)
+    return cuda.jit(**nw.SPLIT_K_BOUNDS)(qkv_rope_split_k)
 
 
 @functools.cache
@@ -144,7 +146,7 @@ def gate_up_kernel(rows, kind, bias, normed):
 
     gate_up_swiglu_split_k.__name__ = gate_up_swiglu_split_k.__qualname__ = (
         "gate_up_swiglu_split_k" + ("_vec" if width > 1 else ""))
-    return cuda.jit(gate_up_swiglu_split_k)
+    return cuda.jit(**nw.SPLIT_K_BOUNDS)(gate_up_swiglu_split_k)
 
 
 # ---- host wrappers (stream: a CUDA stream; rt: a course_lib.gpu.runtime.Runtime, used instead when given) ----
@@ -187,5 +189,5 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
         raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
     width = _width(N, w_gu, 2 * PAIR)
     nw.split_k_launches(lambda rows, kind, bias_kind: gate_up_kernel(rows, kind, bias_kind, norm is not None),
-                        x, w_gu, bias, norm, (), (out,), stream, rt, width)
+                        x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2)
     return out

@@ -40,6 +40,7 @@ import numpy as np
 from numba import float32
 
 from course_lib.kernels import (
+    SIMULATOR,
     WEIGHT_READERS,
     bf16_weight,
     cached_view,
@@ -62,6 +63,9 @@ WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lan
 KERNEL_ROWS = sized(4, MAX_ROWS)  # rows per split-K launch: more would not fit the registers of 16 warps (65,536 per
 # SM); the simulator has no registers to run out of, and pays a Python thread per CUDA thread of every launch
 THREADS = 32 * WARPS
+# at most 65,536 / THREADS = 128 registers per thread, or a block of 16 warps cannot launch (the fused epilogues
+# need more otherwise): a launch bound tells the compiler
+SPLIT_K_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
 T_WARPS = sized(8, 2)  # warps per block of the transposed kernels
 T_THREADS = 32 * T_WARPS
 UNROLL = 8  # loads in flight per thread
@@ -235,7 +239,7 @@ def _make_split_k(rows, width, load, bias_f32, accumulate, normed):
     name = ("matmul_split_k" + ("_norm" if normed else "") + ("_vec" if width == VEC else "")
             + ("_add" if accumulate else ""))
     matmul_split_k.__name__ = matmul_split_k.__qualname__ = name  # the name profiles and tests see
-    return cuda.jit(matmul_split_k)
+    return cuda.jit(**SPLIT_K_BOUNDS)(matmul_split_k)
 
 
 def _make_transposed(rows, to_f32):
@@ -420,17 +424,19 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     return out
 
 
-def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None):
+def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N], one per KERNEL_ROWS rows (one after another on
     the stream: they share one scratch): kernel_of(rows, weight kind, bias kind)[grid, THREADS](a[rows], gamma,
     eps, weights, bias, partial, done, *fixed, *(x[rows] for x in sliced)). width: 1 or VEC columns per lane, or
-    None for VEC when N % VEC == 0 and b is 16-byte aligned. See matmul_narrow for bias and norm."""
+    None for VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k sets the
+    slices (N by default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See
+    matmul_narrow for bias and norm."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
     kind = weight_kind(b, vector=width == VEC)
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
-    groups, slices = -(-N // (32 * width)), split_k(K, N, 32 * width, sm_count())
+    groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
     shape = (slices, min(R, KERNEL_ROWS), N)
     partial, done = ((partial_sums(shape), completion_counters(groups)) if rt is None
                      else rt.split_k_scratch(shape, groups))
