@@ -1,5 +1,7 @@
 """The `gpu` marker: the tests that run the kernels, and the notebooks (`python -m pytest -m gpu`, the README's GPU
-suite). Without a GPU the same tests run in the simulator, on tiny shapes."""
+suite). Without a GPU the same tests run in the simulator, on tiny shapes. The notebooks and the slowest test files
+are collected first: with one file per worker at a time (`--dist loadfile`), the longest start first and the short
+ones fill in around them."""
 
 import pathlib
 
@@ -8,6 +10,9 @@ import pytest
 GPU_SUITE = {"test_kernels.py", "test_paged.py", "test_cuda_backend.py", "test_paged_backend.py", "test_recipes.py",
              "test_tolerances.py", "test_generate.py", "test_kernel_cache.py",
              "test_batch.py", "test_fused.py"}
+LONGEST_FIRST = ["06_launches.ipynb", "03_a_cache_that_no_longer_grows.ipynb", "04_flash_decoding.ipynb",
+                 "test_recipes.py", "02_narrow_matrices.ipynb", "test_paged_backend.py",
+                 "01_where_the_time_goes.ipynb", "test_cuda_backend.py"]
 
 
 def pytest_collection_modifyitems(items):
@@ -15,3 +20,9 @@ def pytest_collection_modifyitems(items):
         path = pathlib.Path(str(item.fspath))
         if path.suffix == ".ipynb" or path.name in GPU_SUITE:
             item.add_marker(pytest.mark.gpu)
+
+    def rank(item):
+        name = pathlib.Path(str(item.fspath)).name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file is kept
