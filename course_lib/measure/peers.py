@@ -81,6 +81,9 @@ def _time_mode(torch, config, mode: str, steps: int, max_len: int, context: int)
         pos.add_(1)
 
     side = torch.cuda.Stream()
+    # the weights, token and position are written on the default stream, and PyTorch's side streams do not wait for
+    # it: without this, the warm-up may read them before they are written (a device-side assert in the GPU suite)
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (compilation, workspaces) off the default stream, as capture wants
         for _ in range(3):
             advance()
