@@ -10,10 +10,11 @@ queue, to be recomputed when pages free up (its prompt as one prefill, then its 
 as they were first computed: the same bits, the same continuation).
 
 A sequence's tokens do not depend on what it was batched with: each is sampled from its own logits with its own
-seed at its own position (kernels.sampling), and the NumPy backend computes each sequence's rows as the
-reference does for a sequence alone, over the shared paged cache (`PagedSequence`). On a GPU, where rows of
-several sequences would share each weight read, the batched step is not built yet: the CUDA backend generates the
-sequences one after another with the same seeds, so the results are those a batch must give.
+seed at its own position (kernels.sampling), and its rows get the bits they get alone. The NumPy backend
+(`NumpyBatch`) computes each sequence's rows as the reference does for a sequence alone, over the shared paged
+cache (`PagedSequence`). The CUDA backend (`CudaBatch`) runs one decode pass for all the running sequences: their
+rows side by side in every matmul, so that each weight read serves them all (the split-K kernels sum a row the same
+way whatever the number of rows), and attention by sequence, each through its own page table.
 """
 
 from __future__ import annotations
@@ -159,6 +160,10 @@ class NumpyBatch:
         seq.kv.reserve(len(ids))
         return reference.forward(self.model.weights, self.model.config, np.asarray(ids), seq.kv, self.rope)
 
+    def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
+        """One decode step of each sequence (its last token): the logits [V] of each, in order."""
+        return [self.forward(seq, [seq.tokens[-1]]) for seq in seqs]
+
     def prefill(self, seq: Sequence) -> np.ndarray:
         """Compute the sequence from the start as it was first computed: its prompt in one pass, then each of its
         tokens but the last (the next decode step feeds that one) in a step of its own: a preempted sequence comes
@@ -167,6 +172,53 @@ class NumpyBatch:
         for token in seq.tokens[:-1]:
             logits = self.forward(seq, [token])
         return logits
+
+
+class CudaBatch(NumpyBatch):
+    """The CUDA backend's fused step (gpu.backend.FUSED, kernels launched one by one) over several sequences
+    sharing its paged cache: a pass per sequence for its prompt, then one pass for the decode step of all the
+    running sequences, their rows side by side in every matmul. Only the rows' bookkeeping is on the host."""
+
+    def __init__(self, model: Model, pages: int, max_len: int, weights: str = "bf16"):
+        from .gpu.backend import FUSED, CudaBackend
+
+        self.model = model
+        self.backend = CudaBackend(model, max_len, weights=weights, ops=FUSED, pages=pages)
+        self.cache = self.backend.cache
+        self.cache.free(0)  # the backend's own sequence: the batch's sequences take the pages
+
+    def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
+        """The logits [V] of the last of `ids`, the sequence's next positions (a pass of its own; prefill is
+        NumpyBatch's, through this)."""
+        return self._pass([(seq, ids)], every_row=False)[0]
+
+    def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
+        return list(self._pass([(seq, [seq.tokens[-1]]) for seq in seqs], every_row=True))
+
+    def _pass(self, items: list[tuple[Sequence, list[int]]], every_row: bool) -> np.ndarray:
+        """One forward pass over the new positions of several sequences, rows in the order of `items`: each
+        sequence's slots reserved, one upload (ids, positions, slots, page tables), the layers with attention by
+        sequence. -> the logits [T, V] of every row (every_row), or [1, V] of the last, on the host."""
+        b, page = self.backend, self.cache.page_size
+        ids, positions, slots, tables, bounds = [], [], [], [], []
+        for seq, new in items:
+            start = seq.kv.reserved
+            seq.kv.reserve(len(new))
+            ids += new
+            positions += range(start, start + len(new))
+            slots += list(seq.kv.rows[start:])
+            tables.append(self.cache.page_table(seq.index, -(-seq.kv.reserved // page)))
+            bounds.append((len(ids) - len(new), len(ids), seq.kv.reserved))
+        T = len(ids)
+        b.rt.begin_pass()
+        packed = b.rt.to_device(np.concatenate([ids, positions, slots, *tables]).astype(np.int32))
+        groups, at = [], 3 * T
+        for (r0, r1, n), table in zip(bounds, tables, strict=True):
+            groups.append((r0, r1, packed[at:at + len(table)], n))
+            at += len(table)
+        logits = b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], groups, T,
+                            max(n for *_, n in bounds), all_logits=every_row)
+        return logits.copy_to_host(stream=b.rt.stream)
 
 
 def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,
@@ -214,20 +266,21 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
     if pages is None:
         pages = sum(sorted(-(-(len(s.prompt_ids) + max_new_tokens) // PAGE_SIZE) for s in seqs)[-max_running:])
     if backend == "cuda" or (backend == "auto" and gpu_available()):
-        return _one_at_a_time(model, seqs, backend, on_finish)
-    return _continuous(model, seqs, pages, max_running, on_finish)
+        runner, name = CudaBatch(model, pages, c.max_seq_len), "cuda (fused step, continuous batching)"
+    else:
+        runner, name = NumpyBatch(model, pages, c.max_seq_len), "numpy (continuous batching)"
+    return _continuous(model, seqs, runner, name, max_running, on_finish)
 
 
-def _continuous(model, seqs, pages, max_running, on_finish) -> list[Generation]:
-    """The NumPy backend under the scheduler: admit and prefill, one decode step for all, finish, repeat."""
-    runner = NumpyBatch(model, pages, model.config.max_seq_len)
+def _continuous(model, seqs, runner, name, max_running, on_finish) -> list[Generation]:
+    """The scheduler's loop: admit and prefill, one decode step for all, finish, repeat."""
     scheduler = Scheduler(runner.cache, max_running)
     scheduler.waiting.extend(seqs)
     results: dict[int, Generation] = {}
 
     def done(seq):
         scheduler.finish(seq)
-        results[seq.index] = _generation(model, seq, "numpy (continuous batching)")
+        results[seq.index] = _generation(model, seq, name)
         if on_finish is not None:
             on_finish(seq.index, results[seq.index])
 
@@ -243,30 +296,12 @@ def _continuous(model, seqs, pages, max_running, on_finish) -> list[Generation]:
         if not scheduler.running:  # all ended at their prefill: admit the next ones
             continue
         scheduler.make_room()
-        for seq in list(scheduler.running):
-            seq.take(runner.forward(seq, [seq.tokens[-1]]), time.perf_counter())
+        running = list(scheduler.running)
+        for seq, logits in zip(running, runner.decode(running), strict=True):
+            seq.take(logits, time.perf_counter())
         for seq in [s for s in scheduler.running if s.stop_reason]:
             done(seq)
     return [results[s.index] for s in seqs]
-
-
-def _one_at_a_time(model, seqs, backend, on_finish) -> list[Generation]:
-    """The CUDA backend: the sequences one after another on the engine (the batched GPU step is still to come)."""
-    from .engine import engine_for
-
-    engine, results = engine_for(model, "cuda" if backend == "auto" else backend), []
-    for seq in seqs:
-        temperature, top_k, top_p, seed = seq.sampling
-        try:
-            out = engine.generate(seq.prompt_ids, max_new_tokens=seq.max_new_tokens, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=seed, stop=bool(seq.stops))
-        except RuntimeError as e:  # NaN logits: this sequence ends in error, the others go on
-            out = Generation(seq.prompt_ids, [], "", f"error: {e}", 0.0, 0.0, engine.name)
-        out.backend += ", one sequence at a time"
-        results.append(out)
-        if on_finish is not None:
-            on_finish(seq.index, out)
-    return results
 
 
 def _generation(model, seq: Sequence, backend: str) -> Generation:

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from checks import as_computed
 
 from course_lib import __main__ as cli
 from course_lib import generate, generate_batch
@@ -157,7 +158,19 @@ def test_cli_prompts_file(tmp_path, tiny, monkeypatch, capsys):
     assert cli.main(["generate"]) == 2
 
 
-@pytest.mark.skipif(SIMULATOR, reason="the CUDA backend in the simulator: minutes per sequence")
+def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny):
+    """The fused step over two sequences sharing the cache's two pages: the long one needs a second page at its
+    second decode step, the short one is preempted, waits, and is recomputed. Each gets the reference's greedy
+    tokens (the batched rows have the bits they have alone: the split-K kernels sum a row the same way whatever the
+    number of rows)."""
+    prompts, kw = [list(range(1, 16)), "Hi"], dict(max_new_tokens=3, stop=False)
+    outs = generate_batch(tiny, prompts, backend="cuda", pages=2, **kw)
+    assert outs[1].preemptions == 1 and "continuous batching" in outs[0].backend
+    expected = [generate(as_computed(tiny, "bf16"), p, backend="numpy", **kw).token_ids for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.skipif(SIMULATOR, reason="the real model: a GPU test")
 def test_cuda_backend_gives_each_prompt_its_own_tokens(smollm):
     prompts = ["The capital of France is", "def fibonacci(n):"]
     kw = dict(max_new_tokens=16, stop=False, temperature=0.8, seed=3)

@@ -15,13 +15,13 @@ import numpy as np
 
 from .. import reference
 from ..kernels import attention as k_attention
+from ..kernels import cached_view, reshaped
 from ..kernels import copy as k_copy
 from ..kernels import elementwise as k_elt
 from ..kernels import fused as k_fused
 from ..kernels import matmul as k_matmul
 from ..kernels import narrow as k_narrow
 from ..kernels import paged_attention as k_paged
-from ..kernels import reshaped
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
 from .kv_cache import PagedKVCache
@@ -81,6 +81,11 @@ def resolve_ops(ops: dict | None) -> dict:
     return chosen
 
 
+def rows_of(a, start: int, stop: int):
+    """The view a[start:stop] of a device array, made once per array and range (kernels.cached_view)."""
+    return cached_view(a, ("rows", start, stop), lambda whole: whole[start:stop])
+
+
 def upload_weights(model: Model, rt: Runtime, dtype: str, ops: dict = BASELINE) -> dict:
     """{name: device array}: matrices and the embedding table in `dtype` ('f32' or 'bf16'), norms in float32.
     The layout follows the ops: with a fused qkv, a layer has w_qkv = [wq | wk | wv] (and b_qkv) instead; with a
@@ -116,7 +121,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, model: Model, capacity: int, weights: str = "bf16", fast_launch: bool = True,
-                 ops: dict | None = None):
+                 ops: dict | None = None, pages: int | None = None):
         self.model, self.config = model, model.config
         self.ops = resolve_ops(ops)
         self.paged = self.ops["kv_cache"] == "paged"
@@ -126,7 +131,7 @@ class CudaBackend:
         self.cos, self.sin = self.rt.to_device(cos, persistent=True), self.rt.to_device(sin, persistent=True)
         self.capacity = capacity
         if self.paged:
-            self.cache = PagedKVCache(self.config, pages=-(-capacity // PAGE_SIZE), page_size=PAGE_SIZE)
+            self.cache = PagedKVCache(self.config, pages=pages or -(-capacity // PAGE_SIZE), page_size=PAGE_SIZE)
         self.reset()
         self.rt.allocations = 0  # count what the passes allocate, not the upload
 
@@ -188,10 +193,12 @@ class CudaBackend:
         self.length = start + T
         return logits
 
-    def run_pass(self, rt, ids_d, pos_d, slots_d, table_d, T: int, max_len: int, all_logits: bool = False):
+    def run_pass(self, rt, ids_d, pos_d, slots_d, tables, T: int, max_len: int, all_logits: bool = False):
         """The layers, through runtime rt, on inputs already on the device: ids_d, pos_d [T] int32 (token ids and
-        their positions), slots_d [T] and table_d [pages] int32 (paged cache: the cache rows of the new tokens,
-        the sequence's page table); max_len >= every position + 1. -> logits [T, V], or [1, V] of the last token.
+        their positions), slots_d [T] int32 (paged cache: the cache rows of the new tokens) and tables: the page
+        table [pages] int32 of the sequence the T rows belong to, or, for rows of several sequences (a batched
+        decode step), a list of (first row, end row, page table, max_len) per sequence; max_len >= every position
+        + 1. -> logits [T, V], or [1, V] of the last token.
         Every intermediate has a name: with a recycling runtime (the paged recipe, a step plan) that name is one
         buffer of the pass, reused by every layer."""
         c, w = self.config, self.w
@@ -199,9 +206,7 @@ class CudaBackend:
         for i, lw in enumerate(w["layers"]):
             q = self._attention_inputs(rt, x, lw, i, pos_d, slots_d, T, max_len)
             if self.paged:
-                a = k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table_d, pos_d, PAGE_SIZE,
-                                            max_len=max_len, out=rt.empty((T, c.n_heads, c.head_dim), name="attn"),
-                                            rt=rt, one_launch=self.ops["attention"] == "one_kernel")
+                a = self._paged_attention(rt, q, i, pos_d, tables, T, max_len)
             else:
                 a = k_attention.attention(q, self.k_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim),
                                           self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
@@ -216,6 +221,21 @@ class CudaBackend:
             return self._by_rows(rt, lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt), h,
                                  c.vocab_size, "logits")
         return k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
+
+    def _paged_attention(self, rt, q, i, pos_d, tables, T, max_len):
+        """Flash-decoding of q [T, H, hd] over layer i's cache: one call for the rows of one sequence, one per
+        sequence for a batch (each through its own page table, with its own max_len: the same bits as alone)."""
+        c, one_launch = self.config, self.ops["attention"] == "one_kernel"
+        out = rt.empty((T, c.n_heads, c.head_dim), name="attn")
+        k, v = self.cache.k[i], self.cache.v[i]
+        if not isinstance(tables, list):
+            return k_paged.flash_attention(q, k, v, tables, pos_d, PAGE_SIZE, max_len=max_len, out=out, rt=rt,
+                                           one_launch=one_launch)
+        for r0, r1, table, n in tables:
+            q_rows, pos_rows, out_rows = (rows_of(a, r0, r1) for a in (q, pos_d, out))
+            k_paged.flash_attention(q_rows, k, v, table, pos_rows, PAGE_SIZE, max_len=n, out=out_rows, rt=rt,
+                                    one_launch=one_launch)
+        return out
 
     def _attention_inputs(self, rt, x, lw, i, pos_d, slots_d, T, max_len):
         """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm, the Q, K, V
