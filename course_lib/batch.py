@@ -14,7 +14,7 @@ seed at its own position (kernels.sampling), and its rows get the bits they get 
 (`NumpyBatch`) computes each sequence's rows as the reference does for a sequence alone, over the shared paged
 cache (`PagedSequence`). The CUDA backend (`CudaBatch`) runs one decode pass for all the running sequences: their
 rows side by side in every matmul, so that each weight read serves them all (the split-K kernels sum a row the same
-way whatever the number of rows), and attention by sequence, each through its own page table.
+way whatever the number of rows), and attention in one launch, each row through its own sequence's page table.
 """
 
 from __future__ import annotations
@@ -197,27 +197,27 @@ class CudaBatch(NumpyBatch):
 
     def _pass(self, items: list[tuple[Sequence, list[int]]], every_row: bool) -> np.ndarray:
         """One forward pass over the new positions of several sequences, rows in the order of `items`: each
-        sequence's slots reserved, one upload (ids, positions, slots, page tables), the layers with attention by
-        sequence. -> the logits [T, V] of every row (every_row), or [1, V] of the last, on the host."""
+        sequence's slots reserved, one upload (ids, positions, slots, the row's sequence, the page tables), the
+        layers, each row's attention through its own sequence's page table. -> the logits [T, V] of every row
+        (every_row), or [1, V] of the last, on the host."""
         b, page = self.backend, self.cache.page_size
-        ids, positions, slots, tables, bounds = [], [], [], [], []
-        for seq, new in items:
+        ids, positions, slots, seq_of_row = [], [], [], []
+        for s, (seq, new) in enumerate(items):
             start = seq.kv.reserved
             seq.kv.reserve(len(new))
             ids += new
             positions += range(start, start + len(new))
             slots += list(seq.kv.rows[start:])
-            tables.append(self.cache.page_table(seq.index, -(-seq.kv.reserved // page)))
-            bounds.append((len(ids) - len(new), len(ids), seq.kv.reserved))
-        T = len(ids)
+            seq_of_row += [s] * len(new)
+        longest = max(seq.kv.reserved for seq, _ in items)
+        width = -(-longest // page)
+        tables = [self.cache.page_table(seq.index, width) for seq, _ in items]
+        T, S = len(ids), len(items)
         b.rt.begin_pass()
-        packed = b.rt.to_device(np.concatenate([ids, positions, slots, *tables]).astype(np.int32))
-        groups, at = [], 3 * T
-        for (r0, r1, n), table in zip(bounds, tables, strict=True):
-            groups.append((r0, r1, packed[at:at + len(table)], n))
-            at += len(table)
-        logits = b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], groups, T,
-                            max(n for *_, n in bounds), all_logits=every_row)
+        packed = b.rt.to_device(np.concatenate([ids, positions, slots, seq_of_row, *tables]).astype(np.int32))
+        page_tables = packed[4 * T:].reshape(S, width)  # one row per sequence (-1 past its pages: never read)
+        logits = b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], (page_tables, packed[3 * T:4 * T]),
+                            T, longest, all_logits=every_row)
         return logits.copy_to_host(stream=b.rt.stream)
 
 

@@ -122,3 +122,27 @@ def test_flash_one_launch_equals_two(rng, H, Hkv, hd, T, n):
     for launch in range(2):
         one = run_flash(q, k, v, page_table, positions, 16, max_len=n, one_launch=True)
         same_bits(one, two, f"launch {launch}")
+
+
+def test_flash_rows_of_several_sequences_equal_each_alone(rng):
+    """flash_decode_rows (a batched step: each row through its own sequence's page table, one launch) gives every
+    row the bits it gets with its sequence alone; the sequences' pages interleave in one pair of tables."""
+    H, Hkv, hd = (3, 1, 16) if SIMULATOR else (c.n_heads, c.n_kv_heads, c.head_dim)
+    page, lengths = 16, [5, 3 * pa.tile_keys(hd) + 7, 40]  # the second has several chunks
+    counts = [-(-n // page) for n in lengths]
+    order = rng.permutation(sum(counts) + 2).astype(np.int32)  # two pages nobody owns
+    tables = np.split(order[:sum(counts)], np.cumsum(counts)[:-1])
+    page_tables = np.zeros((len(lengths), max(counts)), np.int32)
+    for s, table in enumerate(tables):
+        page_tables[s, :len(table)] = table
+    k, v = (f32_to_bf16(randn(rng, len(order) * page, Hkv, hd)) for _ in range(2))
+    seq_of_row = np.array([0, 1, 1, 2], np.int32)  # the second sequence has two new rows (a prefill's end)
+    positions = np.array([lengths[0] - 1, lengths[1] - 2, lengths[1] - 1, lengths[2] - 1], np.int32)
+    q = randn(rng, len(positions), H, hd)
+    batch = pa.flash_attention(dev(q), dev(k), dev(v), dev(page_tables), dev(positions), page, max_len=max(lengths),
+                               out=poisoned(q.shape), seq_of_row=dev(seq_of_row)).copy_to_host()
+    for s, table in enumerate(tables):
+        rows = seq_of_row == s
+        alone = pa.flash_attention(dev(q[rows]), dev(k), dev(v), dev(table), dev(positions[rows]), page,
+                                   max_len=lengths[s], out=poisoned(q[rows].shape), one_launch=True)
+        same_bits(batch[rows], alone.copy_to_host(), f"sequence {s}")

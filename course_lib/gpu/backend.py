@@ -15,13 +15,13 @@ import numpy as np
 
 from .. import reference
 from ..kernels import attention as k_attention
-from ..kernels import cached_view, reshaped
 from ..kernels import copy as k_copy
 from ..kernels import elementwise as k_elt
 from ..kernels import fused as k_fused
 from ..kernels import matmul as k_matmul
 from ..kernels import narrow as k_narrow
 from ..kernels import paged_attention as k_paged
+from ..kernels import reshaped
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
 from .kv_cache import PagedKVCache
@@ -79,11 +79,6 @@ def resolve_ops(ops: dict | None) -> dict:
             raise ValueError(f"a fused {op} is done by the split-K matmul, which only the paged cache's step uses "
                              "for every row count: use kv_cache='paged' with it")
     return chosen
-
-
-def rows_of(a, start: int, stop: int):
-    """The view a[start:stop] of a device array, made once per array and range (kernels.cached_view)."""
-    return cached_view(a, ("rows", start, stop), lambda whole: whole[start:stop])
 
 
 def upload_weights(model: Model, rt: Runtime, dtype: str, ops: dict = BASELINE) -> dict:
@@ -197,8 +192,8 @@ class CudaBackend:
         """The layers, through runtime rt, on inputs already on the device: ids_d, pos_d [T] int32 (token ids and
         their positions), slots_d [T] int32 (paged cache: the cache rows of the new tokens) and tables: the page
         table [pages] int32 of the sequence the T rows belong to, or, for rows of several sequences (a batched
-        decode step), a list of (first row, end row, page table, max_len) per sequence; max_len >= every position
-        + 1. -> logits [T, V], or [1, V] of the last token.
+        decode step), (page tables [S, pages], seq_of_row [T]) int32; max_len >= every position + 1. -> logits
+        [T, V], or [1, V] of the last token.
         Every intermediate has a name: with a recycling runtime (the paged recipe, a step plan) that name is one
         buffer of the pass, reused by every layer."""
         c, w = self.config, self.w
@@ -223,19 +218,13 @@ class CudaBackend:
         return k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
 
     def _paged_attention(self, rt, q, i, pos_d, tables, T, max_len):
-        """Flash-decoding of q [T, H, hd] over layer i's cache: one call for the rows of one sequence, one per
-        sequence for a batch (each through its own page table, with its own max_len: the same bits as alone)."""
+        """Flash-decoding of q [T, H, hd] over layer i's cache, through one sequence's page table, or (a batch)
+        each row through its own sequence's (one launch: the same bits as each sequence alone)."""
         c, one_launch = self.config, self.ops["attention"] == "one_kernel"
-        out = rt.empty((T, c.n_heads, c.head_dim), name="attn")
-        k, v = self.cache.k[i], self.cache.v[i]
-        if not isinstance(tables, list):
-            return k_paged.flash_attention(q, k, v, tables, pos_d, PAGE_SIZE, max_len=max_len, out=out, rt=rt,
-                                           one_launch=one_launch)
-        for r0, r1, table, n in tables:
-            q_rows, pos_rows, out_rows = (rows_of(a, r0, r1) for a in (q, pos_d, out))
-            k_paged.flash_attention(q_rows, k, v, table, pos_rows, PAGE_SIZE, max_len=n, out=out_rows, rt=rt,
-                                    one_launch=one_launch)
-        return out
+        table, seq_of_row = tables if isinstance(tables, tuple) else (tables, None)
+        return k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table, pos_d, PAGE_SIZE, max_len=max_len,
+                                       out=rt.empty((T, c.n_heads, c.head_dim), name="attn"), rt=rt,
+                                       one_launch=one_launch, seq_of_row=seq_of_row)
 
     def _attention_inputs(self, rt, x, lw, i, pos_d, slots_d, T, max_len):
         """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm, the Q, K, V

@@ -323,20 +323,35 @@ def _make_chunks(load8, group, head_dim, page_size):
         chunk_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions,
                     target, unit, scale, out, o_part, m_part, l_part)
 
-    @cuda.jit(**_CHUNK_BOUNDS)
-    def flash_decode(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part,
-                     counters):
-        """Attention in one launch: chunk_block, then the last of a query's chunk blocks for KV head kvh to finish
-        (counters[t Hkv + kvh], last_to_arrive) merges the G heads of the group (merge_head). Grid (C, Hkv, T),
-        block THREADS (= MERGE_THREADS)."""
-        kvh, t = cuda.blockIdx.y, cuda.blockIdx.z
-        count = chunk_block(cuda.blockIdx.x, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale,
-                            out, o_part, m_part, l_part)
-        if count > 1 and last_to_arrive(counters, t * cuda.gridDim.y + kvh, count):
+    @cuda.jit(device=True)
+    def chunk_then_merge(c, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part,
+                         m_part, l_part, counters):
+        """chunk_block, then the last of a query's chunk blocks for KV head kvh to finish (counters[t Hkv + kvh],
+        last_to_arrive) merges the G heads of the group (merge_head)."""
+        count = chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part,
+                            m_part, l_part)
+        if count > 1 and last_to_arrive(counters, t * (q.shape[1] // group) + kvh, count):
             for g in range(group):
                 merge_head(o_part, m_part, l_part, t, kvh * group + g, count, out)
 
-    return flash_decode_chunks, flash_decode
+    @cuda.jit(**_CHUNK_BOUNDS)
+    def flash_decode(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part,
+                     counters):
+        """Attention in one launch: chunk_then_merge for (c, kvh, t) = blockIdx. Grid (C, Hkv, T), block THREADS
+        (= MERGE_THREADS)."""
+        chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table,
+                         positions, target, unit, scale, out, o_part, m_part, l_part, counters)
+
+    @cuda.jit(**_CHUNK_BOUNDS)
+    def flash_decode_rows(q, k_words, v_words, page_tables, seq_of_row, positions, target, unit, scale, out, o_part,
+                          m_part, l_part, counters):
+        """flash_decode for rows of several sequences (a batched decode step): row t reads its keys through the
+        page table of its sequence, page_tables[seq_of_row[t]] ([S, P] int32). Grid (C, Hkv, T), block THREADS."""
+        t = cuda.blockIdx.z
+        chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, t, q, k_words, v_words, page_tables[seq_of_row[t]],
+                         positions, target, unit, scale, out, o_part, m_part, l_part, counters)
+
+    return flash_decode_chunks, flash_decode, flash_decode_rows
 
 
 @cuda.jit(device=True)
@@ -428,9 +443,12 @@ def _chunks_kernels(dtype, group, head_dim, page_size):
 
 
 def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_len=None, out=None, stream=0,
-                    rt=None, one_launch: bool = False):
+                    rt=None, one_launch: bool = False, seq_of_row=None):
     """Causal GQA attention of one sequence through its page table: flash_decode_chunks, then merge_chunks; or,
-    one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish).
+    one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish). With
+    seq_of_row [T] int32, the rows belong to several sequences: page_table is [S, P], one row per sequence, row t
+    reads its keys through page_table[seq_of_row[t]] (flash_decode_rows, one launch; the same bits as each
+    sequence's rows alone).
 
     q [T, H, hd] float32; k_table, v_table [rows, Hkv, hd] float32 or uint16 (bf16 bits), same dtype, 16-byte
     aligned; page_table [P] int32 (the sequence's pages, logical order); positions [T] int32: query t sees logical
@@ -450,18 +468,29 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
                          f"hd a multiple of 8, <= {MAX_HEAD_DIM}, H / Hkv x hd <= {MAX_GROUP_DIMS})")
     if not (aligned16(k_table) and aligned16(v_table)):
         raise ValueError("flash_attention: the key and value tables must be C-contiguous and 16-byte aligned")
-    chunks_kernel, one_kernel = _chunks_kernels(k_table.dtype, H // Hkv, hd, page_size)
+    chunks_kernel, one_kernel, rows_kernel = _chunks_kernels(k_table.dtype, H // Hkv, hd, page_size)
+    if (seq_of_row is None) != (page_table.ndim == 1) or (seq_of_row is not None and seq_of_row.shape != (T,)):
+        raise ValueError(f"flash_attention: a page table [P] for one sequence, or [S, P] with seq_of_row [T]; got "
+                         f"{page_table.shape} and {None if seq_of_row is None else seq_of_row.shape}")
     out = empty((T, H, hd), np.float32, stream, rt) if out is None else out
     if T == 0:
         return out
     if max_len is None:
         max_len = int(positions.copy_to_host().max()) + 1
-    if max_len > page_table.shape[0] * page_size:
-        raise ValueError(f"flash_attention: max_len {max_len} > {page_table.shape[0]} pages x {page_size}")
+    pages = page_table.shape[page_table.ndim - 1]  # (the simulator's shapes take no negative index)
+    if max_len > pages * page_size:
+        raise ValueError(f"flash_attention: max_len {max_len} > {pages} pages x {page_size}")
     target, unit = chunk_target(Hkv), tile_keys(hd)
     n_chunks = max(1, min(target, -(-max_len // unit)))  # at least the chunks of any query of the pass
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)
+    if seq_of_row is not None:
+        parts = (empty((T, H, n_chunks, hd), np.float32, stream, rt), empty((T, H, n_chunks), np.float32, stream, rt),
+                 empty((T, H, n_chunks), np.float32, stream, rt))
+        counters = completion_counters(T * Hkv) if rt is None else rt.counters(T * Hkv)
+        launch(rows_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, q, common[1], common[2], page_table, seq_of_row,
+               *common[4:], *parts, counters)
+        return out
     if n_chunks == 1:  # every query normalizes its one chunk: no partial results (out stands in), no merge
         launch(chunks_kernel, (1, Hkv, T), THREADS, stream, rt, *common, out.reshape(T, H, 1, hd), out, out)
         return out
