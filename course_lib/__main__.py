@@ -97,16 +97,34 @@ def _info(args) -> int:
     return 0
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """"1,8,64" -> [1, 8, 64]; anything but positive integers is an error naming the bad entry."""
+    sizes = []
+    for part in text.split(","):
+        if not part.strip().isdigit() or int(part) < 1:
+            raise ValueError(f"--batch: {part!r} is not a batch size (positive integers, comma-separated)")
+        sizes.append(int(part))
+    return sizes
+
+
 def _bench(args) -> int:
     from . import device, load_model
 
+    sizes = _batch_sizes(args.batch) if args.batch else None
     device.announce()
     if not device.gpu_available():
         raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")
 
-    from .measure.bench import format_bench, run_bench
+    from .measure.bench import bench_batch, format_batch, format_bench, run_bench
 
     model = load_model(args.model)
+    if sizes:
+        rows = bench_batch(model, sizes, args.context, args.steps, args.weights)
+        print(format_batch(rows))
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump({"batch": rows, "context": args.context, "steps": args.steps}, f, indent=1)
+        return 0
     recipes = None if args.recipes == "all" else args.recipes.split(",")
     result = run_bench(model, recipes, args.weights, args.context, args.steps, peers=not args.no_peers,
                        progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
@@ -147,6 +165,8 @@ def main(argv=None) -> int:
     b.add_argument("--context", type=int, default=64, help="prompt length before the timed decode steps")
     b.add_argument("--steps", type=int, default=200, help="decode steps timed")
     b.add_argument("--no-peers", action="store_true", help="skip the PyTorch peers")
+    b.add_argument("--batch", metavar="SIZES", help="comma-separated batch sizes (e.g. 1,8,64): the aggregate "
+                   "throughput of generate_batch instead of the recipes")
     b.add_argument("--save", metavar="FILE.json", help="keep the results (for data/)")
     b.set_defaults(run=_bench)
     args = p.parse_args(argv)

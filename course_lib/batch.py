@@ -30,11 +30,9 @@ import numpy as np
 from . import reference
 from .device import gpu_available
 from .generate import Generation, TextStream, check_request, prompt_ids
-from .gpu.kv_cache import PagedKVCache
+from .gpu.kv_cache import PAGE_SIZE, PagedKVCache
 from .kernels.sampling import NO_TOKEN, sample
 from .model.loading import Model
-
-PAGE_SIZE = 16
 
 
 class PagedSequence:
@@ -146,23 +144,17 @@ class Scheduler:
         return sum(s.kv.reserved % self.cache.page_size == 0 for s in self.running)
 
 
-class NumpyBatch:
-    """The NumPy reference over several sequences sharing one paged cache of host arrays (the layout of
-    course_lib.gpu.kv_cache.PagedKVCache)."""
+class Runner:
+    """What the scheduler's loop drives: a cache shared by the sequences, forward(seq, ids) (the logits [V] of the
+    last of `ids`, the sequence's next positions), decode(seqs) (one step of each), and prefill(seq)."""
 
-    def __init__(self, model: Model, pages: int, max_len: int, page_size: int = PAGE_SIZE):
-        self.model = model
-        self.cache = PagedKVCache(model.config, pages, page_size, max_len=max_len, host=True)
-        self.rope = reference.rope_tables(model.config, max_len)
+    cache: PagedKVCache
 
     def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
-        """The logits [V] of the last of `ids`, the sequence's next positions."""
-        seq.kv.reserve(len(ids))
-        return reference.forward(self.model.weights, self.model.config, np.asarray(ids), seq.kv, self.rope)
+        raise NotImplementedError
 
     def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
-        """One decode step of each sequence (its last token): the logits [V] of each, in order."""
-        return [self.forward(seq, [seq.tokens[-1]]) for seq in seqs]
+        raise NotImplementedError
 
     def prefill(self, seq: Sequence) -> np.ndarray:
         """Compute the sequence from the start as it was first computed: its prompt in one pass, then each of its
@@ -174,7 +166,24 @@ class NumpyBatch:
         return logits
 
 
-class CudaBatch(NumpyBatch):
+class NumpyBatch(Runner):
+    """The NumPy reference over several sequences sharing one paged cache of host arrays (the layout of
+    course_lib.gpu.kv_cache.PagedKVCache), a sequence at a time."""
+
+    def __init__(self, model: Model, pages: int, max_len: int, page_size: int = PAGE_SIZE):
+        self.model = model
+        self.cache = PagedKVCache(model.config, pages, page_size, max_len=max_len, host=True)
+        self.rope = reference.rope_tables(model.config, max_len)
+
+    def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
+        seq.kv.reserve(len(ids))
+        return reference.forward(self.model.weights, self.model.config, np.asarray(ids), seq.kv, self.rope)
+
+    def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
+        return [self.forward(seq, [seq.tokens[-1]]) for seq in seqs]
+
+
+class CudaBatch(Runner):
     """The CUDA backend's fused step (gpu.backend.FUSED, kernels launched one by one) over several sequences
     sharing its paged cache: a pass per sequence for its prompt, then one pass for the decode step of all the
     running sequences, their rows side by side in every matmul. Only the rows' bookkeeping is on the host."""
@@ -188,9 +197,7 @@ class CudaBatch(NumpyBatch):
         self.cache.free(0)  # the backend's own sequence: the batch's sequences take the pages
 
     def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
-        """The logits [V] of the last of `ids`, the sequence's next positions (a pass of its own; prefill is
-        NumpyBatch's, through this)."""
-        return self._pass([(seq, ids)], every_row=False)[0]
+        return self._pass([(seq, ids)], every_row=False)[0]  # a pass of its own
 
     def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
         return list(self._pass([(seq, [seq.tokens[-1]]) for seq in seqs], every_row=True))

@@ -29,3 +29,8 @@ def test_recorded_results_format_as_a_table():
 def test_bench_without_a_gpu_is_a_clear_error(capsys):
     assert cli.main(["bench", "--model", "tiny"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_batch_sizes_are_checked(capsys):
+    assert cli.main(["bench", "--batch", "1,x,8"]) == 2
+    assert "'x' is not a batch size" in capsys.readouterr().err

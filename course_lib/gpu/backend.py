@@ -24,7 +24,7 @@ from ..kernels import paged_attention as k_paged
 from ..kernels import reshaped
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
-from .kv_cache import PagedKVCache
+from .kv_cache import PAGE_SIZE, PagedKVCache
 from .runtime import Runtime
 
 # Kernel choice per op. Each later notebook adds its optimized choice beside the baseline's, so `bench` can show
@@ -57,7 +57,6 @@ BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
 NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
 PAGED = NARROW | {"kv_cache": "paged"}
 FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused", "attention": "one_kernel"}
-PAGE_SIZE = 16
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -199,7 +198,7 @@ class CudaBackend:
         c, w = self.config, self.w
         x = k_elt.embedding(w["embed"], ids_d, out=rt.empty((T, c.d_model), name="x"), rt=rt)
         for i, lw in enumerate(w["layers"]):
-            q = self._attention_inputs(rt, x, lw, i, pos_d, slots_d, T, max_len)
+            q = self._attention_inputs(rt, x, lw, i, pos_d, slots_d, T)
             if self.paged:
                 a = self._paged_attention(rt, q, i, pos_d, tables, T, max_len)
             else:
@@ -226,7 +225,7 @@ class CudaBackend:
                                        out=rt.empty((T, c.n_heads, c.head_dim), name="attn"), rt=rt,
                                        one_launch=one_launch, seq_of_row=seq_of_row)
 
-    def _attention_inputs(self, rt, x, lw, i, pos_d, slots_d, T, max_len):
+    def _attention_inputs(self, rt, x, lw, i, pos_d, slots_d, T):
         """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm, the Q, K, V
         projections and RoPE, in one kernel with the fused qkv, else a kernel for each."""
         c = self.config
@@ -290,10 +289,13 @@ class CudaBackend:
 
     def _linear(self, rt, x, weight, bias=None, name=None, norm=None):
         """x [T, K] @ weight + bias into the buffer `name`, with the chosen matmul; the bias in its own kernel
-        unless fused. With the paged cache, the narrow matmul takes the rows 16 at a time even in a long prefill
-        (not the tiled kernel): a token's result is then the same bits whether it comes alone or inside a prompt
-        (see notebook 03)."""
+        unless fused; norm = (gamma, eps): x normalized by the matmul itself (the paged step's split-K kernel only).
+        With the paged cache, the narrow matmul takes the rows 16 at a time even in a long prefill (not the tiled
+        kernel): a token's result is then the same bits whether it comes alone or inside a prompt (see notebook
+        03)."""
         fused = self.ops["bias"] == "fused"
+        if norm is not None and not (self.ops["matmul"] == "narrow" and self.paged):
+            raise ValueError("a norm inside the matmul needs the paged step's split-K matmul")
         if self.ops["matmul"] == "narrow" and self.paged:
             y = self._by_rows(rt, lambda rows, out: k_narrow.matmul_narrow(rows, weight, bias if fused else None, out,
                                                                            rt=rt, norm=norm), x, weight.shape[1],

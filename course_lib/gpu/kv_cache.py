@@ -24,6 +24,8 @@ import numpy as np
 from ..kernels import empty
 from ..model.config import ModelConfig
 
+PAGE_SIZE = 16  # positions per page of the course's caches (the backend's, the batch's)
+
 
 class CacheFullError(RuntimeError):
     """No free page left for the tokens asked for (nothing was reserved)."""

@@ -5,11 +5,12 @@ waits for them. Everything that changes from one token to the next already lives
 recorded once and replayed:
 - the inputs of the step are buffers, not Python values: `token` (the id fed in), `position` (its position) and
   `slot` (its cache row), with the sequence's `page_table`;
-- every intermediate is a buffer allocated once under a name (as the fields of llama2.c's RunState: `x`, `h`,
-  `q`, `k`, `v`, `attn`, `o`, `gate`, `up`, `act`, `down`, `h_final`, `logits`), and every split-K matmul has its
-  own scratch (`Runtime.per_site`);
+- every intermediate is a buffer allocated once under a name (as the fields of llama2.c's RunState: `x`, `q`,
+  `attn`, `act`, `h_final`, `logits`, and with the unfused kernels `h`, `k`, `v`, `o`, `gate`, `up`, `down`), and
+  every split-K matmul and every completion counter has its own scratch (`Runtime.per_site`);
 - the grids are sized for the longest context the plan can reach: flash-decoding launches the chunks of a query at
-  `capacity` keys and always launches its merge; blocks past the current context return at once;
+  `capacity` keys and always merges them (its merge kernel, or its last blocks in one launch); blocks past the
+  current context return at once;
 - the step ends with `sampling.sample_next`, which chooses the next token on the GPU, writes it into `token`,
   advances `position` and `slot`, and records the id in `history`, host memory the GPU writes directly (4 bytes
   per token cross to the host, not the 4 V bytes of the logits).

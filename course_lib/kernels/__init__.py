@@ -97,8 +97,10 @@ def last_to_arrive(counters, i, count):
     if cuda.threadIdx.x == 0:
         last[0] = cuda.atomic.add(counters, i, 1) == count - 1
     cuda.syncthreads()
-    if last[0] and cuda.threadIdx.x == 0:
-        counters[i] = 0  # every block has counted itself
+    if last[0]:
+        cuda.threadfence()  # and the last block sees them: no line of another block's writes read stale
+        if cuda.threadIdx.x == 0:
+            counters[i] = 0  # every block has counted itself
     return last[0] != 0
 
 

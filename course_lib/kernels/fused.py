@@ -115,10 +115,10 @@ def _swiglu_store_for(group, bias_f32):
 
 @functools.cache
 def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim):
-    width, load = nw._SPLIT_K_LOADS[kind]
+    width, load = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
     store_kv = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}[np.dtype(kv_dtype)]
-    epilogue = _rope_store_for(32 * width, head_dim, nw._READERS[bias], store_kv)
+    epilogue = _rope_store_for(32 * width, head_dim, nw.BIAS_READERS[bias], store_kv)
 
     def qkv_rope_split_k(a, gamma, eps, b, bias, partial, done, cos, sin, k_table, v_table, positions, slots, q):
         """[q | k | v] = RMSNorm(a) @ b (+ bias), RoPE, q stored, k and v written to the cache (rope_store).
@@ -133,9 +133,9 @@ def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim):
 
 @functools.cache
 def gate_up_kernel(rows, kind, bias, normed):
-    width, load = nw._SPLIT_K_LOADS[kind]
+    width, load = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
-    epilogue = _swiglu_store_for(32 * width, nw._READERS[bias])
+    epilogue = _swiglu_store_for(32 * width, nw.BIAS_READERS[bias])
 
     def gate_up_swiglu_split_k(a, gamma, eps, b, bias, partial, done, out):
         """out = silu(gate) * up of RMSNorm(a) @ W_gu (+ bias) (swiglu_store). Grid (ceil(2F / group), S),

@@ -341,8 +341,8 @@ def bf16x8_at(words, k, v, per_row):
     return bf16x8(words, k * per_row + v)
 
 
-_READERS = {"f32": f32_weight, "bf16": bf16_weight}
-_SPLIT_K_LOADS = {"f32": (1, f32_at), "bf16": (1, bf16_at), "f32x8": (VEC, f32x8_at), "bf16x8": (VEC, bf16x8_at)}
+BIAS_READERS = {"f32": f32_weight, "bf16": bf16_weight}  # bias kind -> its reader (shared with kernels/fused)
+SPLIT_K_LOADS = {"f32": (1, f32_at), "bf16": (1, bf16_at), "f32x8": (VEC, f32x8_at), "bf16x8": (VEC, bf16x8_at)}
 _TRANSPOSED = {
     "f32": lambda rows: _make_transposed(rows, f32_weight),
     "bf16": lambda rows: _make_transposed(rows, bf16_weight),
@@ -359,8 +359,8 @@ def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate:
     key = (family, kind, rows, bias, accumulate, normed)
     if key not in _KERNELS:
         if family == "split_k":
-            width, load = _SPLIT_K_LOADS[kind]
-            _KERNELS[key] = _make_split_k(rows, width, load, _READERS[bias], accumulate, normed)
+            width, load = SPLIT_K_LOADS[kind]
+            _KERNELS[key] = _make_split_k(rows, width, load, BIAS_READERS[bias], accumulate, normed)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows)
     return _KERNELS[key]

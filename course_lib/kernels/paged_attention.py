@@ -6,7 +6,7 @@ sequence's logical key j lives at row page_table[j // page_size] * page_size + j
 `write_rows`: one thread per element, table[slots[t], h, d] = new[t, h, d] (rounded to bf16, ties to even, for a
 uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16).
 
-`flash_attention` (flash decoding: split the keys, then merge), two kernels:
+`flash_attention` (flash decoding: split the keys, then merge), two kernels, or one:
 1. `flash_decode_chunks`, grid (chunks, Hkv, T), WARPS warps: a block takes one chunk of the keys of query t for
    KV head kvh and ALL the G = H / Hkv query heads that share it, so each key and value is read once for the
    group. A key row (hd elements) is read by a team of `team_size(hd)` lanes, each taking 8 adjacent elements
@@ -23,6 +23,11 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    fixed order (no atomics: the same bits from run to run). A thread loads o, m and l of MERGE_UNROLL chunks at
    once and merges them online (one memory latency per round, not one per quantity). Skipped (not launched) when
    no query has two chunks.
+Or `flash_decode`, one launch (notebook 05): the chunk blocks of 1., then the last of a query's blocks for a KV head
+to finish (a completion counter, kernels.last_to_arrive) merges the group's heads with merge_chunks' own device
+function, `merge_head`. `flash_decode_rows` does the same for the rows of several sequences (a batched decode step),
+each row reading its keys through its own sequence's page table. The kernels are thin wrappers around the device
+functions `chunk_block` and `merge_head` of (virtual block index, buffers).
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
 (`tile_keys`), so that the chunks of the longest queries times Hkv give about BLOCKS_PER_SM blocks per SM. The
@@ -244,7 +249,7 @@ def _make_chunks(load8, group, head_dim, page_size):
         k_r = cuda.local.array((UNROLL, E), dtype=float32)  # this lane's part of UNROLL keys and values
         v_r = cuda.local.array((UNROLL, E), dtype=float32)
         rows = cuda.local.array(UNROLL, dtype=int32)  # their rows in the tables
-        c, kvh, t, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, cuda.threadIdx.x
+        tid = cuda.threadIdx.x  # (c, kvh, t): the block's virtual index, given by the caller
         n = positions[t] + 1
         length = _chunk_len(n, target, unit)
         lo = c * length
@@ -427,12 +432,12 @@ def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
         merge_head(o_part, m_part, l_part, t, cuda.blockIdx.x, n_chunks, out)
 
 
-_CHUNKS = {}  # (dtype, group, head_dim, page_size) -> (flash_decode_chunks, flash_decode), built on first use
+_CHUNKS = {}  # (dtype, group, head_dim, page_size) -> (flash_decode_chunks, flash_decode, flash_decode_rows)
 
 
 def _chunks_kernels(dtype, group, head_dim, page_size):
-    """(flash_decode_chunks, flash_decode) for tables of `dtype` (float32, or uint16 holding bf16), built on first
-    use."""
+    """(flash_decode_chunks, flash_decode, flash_decode_rows) for tables of `dtype` (float32, or uint16 holding
+    bf16), built on first use."""
     key = (np.dtype(dtype), group, head_dim, page_size)
     if key not in _CHUNKS:
         loads = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}
@@ -447,7 +452,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     """Causal GQA attention of one sequence through its page table: flash_decode_chunks, then merge_chunks; or,
     one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish). With
     seq_of_row [T] int32, the rows belong to several sequences: page_table is [S, P], one row per sequence, row t
-    reads its keys through page_table[seq_of_row[t]] (flash_decode_rows, one launch; the same bits as each
+    reads its keys through page_table[seq_of_row[t]] (flash_decode_rows, always one launch; the same bits as each
     sequence's rows alone).
 
     q [T, H, hd] float32; k_table, v_table [rows, Hkv, hd] float32 or uint16 (bf16 bits), same dtype, 16-byte
@@ -484,21 +489,18 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     n_chunks = max(1, min(target, -(-max_len // unit)))  # at least the chunks of any query of the pass
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)
-    if seq_of_row is not None:
-        parts = (empty((T, H, n_chunks, hd), np.float32, stream, rt), empty((T, H, n_chunks), np.float32, stream, rt),
-                 empty((T, H, n_chunks), np.float32, stream, rt))
-        counters = completion_counters(T * Hkv) if rt is None else rt.counters(T * Hkv)
-        launch(rows_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, q, common[1], common[2], page_table, seq_of_row,
-               *common[4:], *parts, counters)
-        return out
-    if n_chunks == 1:  # every query normalizes its one chunk: no partial results (out stands in), no merge
+    if n_chunks == 1 and seq_of_row is None:  # each query normalizes its one chunk: no partial results, no merge
         launch(chunks_kernel, (1, Hkv, T), THREADS, stream, rt, *common, out.reshape(T, H, 1, hd), out, out)
         return out
     parts = (empty((T, H, n_chunks, hd), np.float32, stream, rt), empty((T, H, n_chunks), np.float32, stream, rt),
              empty((T, H, n_chunks), np.float32, stream, rt))
-    if one_launch:
+    if seq_of_row is not None or one_launch:
         counters = completion_counters(T * Hkv) if rt is None else rt.counters(T * Hkv)
-        launch(one_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts, counters)
+        if seq_of_row is not None:
+            launch(rows_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, q, common[1], common[2], page_table,
+                   seq_of_row, *common[4:], *parts, counters)
+        else:
+            launch(one_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts, counters)
     else:
         launch(chunks_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts)
         launch(merge_chunks, (H, T), MERGE_THREADS, stream, rt, *parts, positions, target, unit, out)

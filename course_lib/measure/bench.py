@@ -431,3 +431,44 @@ def format_bench(r: dict) -> str:
     lines.append("ms/tok: wall time per token of the generator; GPU ms: kernels of one step; host ms: the host's time "
                  "to issue one step; kernels: per step; launches: host launches per token")
     return "\n".join(lines)
+
+
+def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str = "bf16") -> list[dict]:
+    """Aggregate decode throughput of generate_batch on the CUDA backend (the fused step over B sequences, course_lib
+    .batch) for each batch size B of `sizes`: B random prompts of `context` tokens, all admitted at once, greedy.
+    Each size runs twice, for 8 and for 8 + steps new tokens: the difference of the two wall times is `steps`
+    decode steps of the B sequences (the prefills and the first steps cancel out). same_text: the first sequence
+    gets the tokens it gets alone (B = 1). -> [{"batch", "tokens_per_s", "ms_per_step", "same_text"}]."""
+    from ..batch import generate_batch
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, model.config.vocab_size, context).tolist() for _ in range(max(sizes))]
+
+    def run(batch, new_tokens):
+        start = time.perf_counter()
+        outs = generate_batch(model, prompts[:batch], max_new_tokens=new_tokens, stop=False, backend="cuda",
+                              max_running=batch)
+        return time.perf_counter() - start, outs[0].token_ids
+
+    run(1, 2)  # warm-up: kernels compiled and loaded
+    alone = run(1, 8 + steps)[1]
+    rows = []
+    for batch in sizes:
+        short, _ = run(batch, 8)
+        long, first = run(batch, 8 + steps)
+        seconds = max(long - short, 1e-9)
+        rows.append({"batch": batch, "tokens_per_s": batch * steps / seconds, "ms_per_step": 1e3 * seconds / steps,
+                     "same_text": first == alone})
+    return rows
+
+
+def format_batch(rows: list[dict]) -> str:
+    lines = [f"{'batch':>6}{'tok/s':>11}{'ms/step':>9}{'x batch 1':>11}  same text as alone"]
+    base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1), None)
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / base:>10.1f}x" if base else f"{'':>11}"
+        lines.append(f"{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['ms_per_step']:>9.2f}{ratio}  "
+                     f"{'yes' if r['same_text'] else 'NO'}")
+    lines.append("tok/s: decode tokens of all sequences per second (generate_batch, the fused step, kernels launched "
+                 "one by one)")
+    return "\n".join(lines)
