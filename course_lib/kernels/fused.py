@@ -51,6 +51,7 @@ def interleave_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
 def _rope_store_for(group, head_dim, bias_f32, store_kv):
     half = head_dim // 2
     tile_rows = nw.KERNEL_ROWS  # a compile-time constant for the shared array's shape
+    column_total = nw.column_total_for(bias_f32)
 
     @cuda.jit(device=True)
     def rope_store(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
@@ -63,10 +64,7 @@ def _rope_store_for(group, head_dim, bias_f32, store_kv):
         for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
             r, c = e // group, e % group
             if g * group + c < N:
-                total = nw.sum_slices(partial, r, g * group + c)
-                if bias.shape[0] > 0:
-                    total += bias_f32(bias[g * group + c])
-                tile[r, c] = total
+                tile[r, c] = column_total(partial, bias, r, g * group + c)
         cuda.syncthreads()
         for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
             r, c = e // group, e % group
@@ -92,6 +90,7 @@ def _rope_store_for(group, head_dim, bias_f32, store_kv):
 @functools.cache
 def _swiglu_store_for(group, bias_f32):
     outs = group // 2  # output columns of a group
+    column_total = nw.column_total_for(bias_f32)
 
     @cuda.jit(device=True)
     def swiglu_store(g, partial, bias, out):
@@ -102,11 +101,7 @@ def _swiglu_store_for(group, bias_f32):
             r, j = e // outs, g * outs + e % outs
             if j < F:
                 n = (j // PAIR) * 2 * PAIR + j % PAIR
-                gate, up = nw.sum_slices(partial, r, n), nw.sum_slices(partial, r, n + PAIR)
-                if bias.shape[0] > 0:
-                    gate += bias_f32(bias[n])
-                    up += bias_f32(bias[n + PAIR])
-                out[r, j] = silu_times(gate, up)
+                out[r, j] = silu_times(column_total(partial, bias, r, n), column_total(partial, bias, r, n + PAIR))
 
     return swiglu_store
 

@@ -199,11 +199,28 @@ def split_k_block_for(rows, width, load, normed):
 
 
 @functools.cache
+def column_total_for(bias_f32):
+    """The device function column_total(partial, bias, r, n): the K-sum of column n of row r, the S slices of
+    partial added in slice order (sum_slices), + bias[n] read by bias_f32 (a bias of length 0 is none). Every
+    epilogue starts from it (store_group here, those of kernels/fused)."""
+
+    @cuda.jit(device=True)
+    def column_total(partial, bias, r, n):
+        total = sum_slices(partial, r, n)
+        if bias.shape[0] > 0:
+            total += bias_f32(bias[n])
+        return total
+
+    return column_total
+
+
+@functools.cache
 def store_group_for(group, bias_f32, accumulate):
     """The plain epilogue store_group(g, partial, bias, out): out[r, n] = the S slices of partial added in slice
     order (+ bias[n], read by bias_f32; a bias of length 0 is none), for the columns n of group g; with
     accumulate, out[r, n] += that instead (the residual stream: x + o rounded once, as an add kernel after the
     matmul would)."""
+    column_total = column_total_for(bias_f32)
 
     @cuda.jit(device=True)
     def store_group(g, partial, bias, out):
@@ -211,9 +228,7 @@ def store_group_for(group, bias_f32, accumulate):
         for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
             r, n = e // group, g * group + e % group
             if n < N:
-                total = sum_slices(partial, r, n)
-                if bias.shape[0] > 0:
-                    total += bias_f32(bias[n])
+                total = column_total(partial, bias, r, n)
                 if accumulate:
                     total = out[r, n] + total
                 out[r, n] = total
