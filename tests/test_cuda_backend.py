@@ -72,22 +72,25 @@ def test_fused_residual_needs_the_paged_step(tiny):
 
 def test_fused_step_is_five_kernels_per_layer(tiny):
     """The fused step (recorded, not run): per layer, norm + QKV + RoPE + cache write, attention (merged in the
-    same kernel), O + residual, norm + gate/up + SwiGLU, down + residual; then the final norm and the logits."""
+    same kernel), O + residual, norm + gate/up + SwiGLU, down + residual; then the final norm and the logits, in
+    one kernel."""
     n = 2 * tile_keys(tiny.config.head_dim) + 1  # the keys of two chunks or more
     backend = CudaBackend(tiny, n + 1, weights="bf16", ops=FUSED)
     backend.rt.record(lambda: backend.prefill(list(range(n))))  # (recorded, not run)
     names = [launch[0] for launch in backend.rt.record(lambda: backend.decode(5))]
     layer = ["qkv_rope_split_k_vec", "flash_decode", "matmul_split_k_vec_add", "gate_up_swiglu_split_k_vec",
              "matmul_split_k_vec_add"]
-    assert names == ["embedding_rows", *layer * tiny.config.n_layers, "rms_norm_rows", "matmul_transposed_vec"]
+    assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
 
 
-def test_fused_step_gives_the_paged_steps_bits(tiny_qwen):
+@pytest.mark.parametrize("flavour", ["tiny", "tiny_qwen"])
+def test_fused_step_gives_the_paged_steps_bits(request, flavour):
     """Every fusion keeps the unfused kernels' arithmetic: the logits of a prefill (several launches of rows on a
-    GPU) and of a decode are the same bits (the Qwen2 flavour: QKV bias, untied head)."""
-    logits = {}
+    GPU) and of a decode are the same bits (Llama: tied logits, the transposed kernel normalizing; the Qwen2
+    flavour: QKV bias, untied head, the split-K kernel normalizing)."""
+    model, logits = request.getfixturevalue(flavour), {}
     for name, ops in (("paged", PAGED), ("fused", FUSED)):
-        backend = CudaBackend(tiny_qwen, 32, weights="bf16", ops=ops)
+        backend = CudaBackend(model, 32, weights="bf16", ops=ops)
         logits[name] = (backend.prefill([5, 6, 7, 8, 9, 10]), backend.decode(11))
     for paged, fused in zip(*logits.values(), strict=True):
         np.testing.assert_array_equal(fused.view(np.uint32), paged.view(np.uint32))

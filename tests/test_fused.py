@@ -107,6 +107,17 @@ def test_norm_in_the_matmul_equals_norm_then_matmul(rng):
         same_bits(got, want, f"T={T}")
 
 
+@pytest.mark.parametrize("K", [96, 131])  # 16-byte loads, and one element per load
+def test_norm_in_the_logits_equals_norm_then_logits(rng, K):
+    """matmul_transposed(norm=...) (the final norm inside the tied logits) == rms_norm then matmul_transposed."""
+    N = 70
+    for T in (1, 3):
+        x, gamma, table = randn(rng, T, K), 1 + randn(rng, K, scale=0.1), f32_to_bf16(randn(rng, N, K, scale=0.1))
+        want = narrow.matmul_transposed(ew.rms_norm(dev(x), dev(gamma), EPS), dev(table)).copy_to_host()
+        got = narrow.matmul_transposed(dev(x), dev(table), out=poisoned((T, N)), norm=(dev(gamma), EPS))
+        same_bits(got.copy_to_host(), want, f"T={T}, K={K}")
+
+
 c = SMOLLM2_135M  # several chunks: decode, and a prefill of 3 or 7 queries
 CASES = ([(3, 1, 16, 1, 300), (3, 1, 16, 3, 100)] if SIMULATOR else
          [(c.n_heads, c.n_kv_heads, c.head_dim, T, n) for T, n in ((1, 300), (1, 4096), (7, 4096), (1, 16384))])

@@ -609,7 +609,11 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
-                     f"void({a2}, {w2}, {F2})"))
+                     f"void({F2}, {F1}, float32, {a2}, {w2}, {F2})" if kind.endswith("x8")
+                     else f"void({F2}, {F1}, float32, {w2}, {F2})"))
+        if rows == 1 and kind.endswith("x8"):  # the final norm inside the logits (the fused step)
+            jobs.append((f"transposed_norm[{kind}]", narrow.kernel_for("transposed", kind, rows, normed=True),
+                         f"void({F2}, {F1}, float32, {a2}, {w2}, {F2})"))
 F4, U1 = "float32[:, :, :, ::1]", "uint32[::1]"
 for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-decoding for a few (group, head_dim)
     dt = np.dtype(dtype)

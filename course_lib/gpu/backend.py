@@ -73,6 +73,9 @@ def resolve_ops(ops: dict | None) -> dict:
         raise ValueError("a fused bias is added by the narrow matmul's reduction: use matmul='narrow' with it")
     if chosen["attention"] == "one_kernel" and chosen["kv_cache"] != "paged":
         raise ValueError("attention in one kernel is flash-decoding's: use kv_cache='paged' with it")
+    if chosen["norm"] == "fused" and chosen["logits"] != "transposed":
+        raise ValueError("a fused norm is computed by the logits' kernel too, the transposed one: use "
+                         "logits='transposed' with it")
     for op in ("residual", "norm", "qkv", "swiglu"):
         if chosen[op] == "fused" and chosen["kv_cache"] != "paged":
             raise ValueError(f"a fused {op} is done by the split-K matmul, which only the paged cache's step uses "
@@ -206,14 +209,13 @@ class CudaBackend:
                                           self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
             x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw["wo"], name="o")
             x = self._add_linear(rt, x, self._mlp_inputs(rt, x, lw, T), lw["w_down"], name="down")
-        rows = T if all_logits else 1
-        h = k_elt.rms_norm(x if all_logits else x[T - 1:], w["final_norm"], c.rms_eps,
-                           out=rt.empty((rows, c.d_model), name="h_final"), rt=rt)
+        h, norm = self._normed(rt, x if all_logits else x[T - 1:], w["final_norm"], name="h_final")
         if w["lm_head"] is not None:
-            return self._linear(rt, h, w["lm_head"], name="logits")
+            return self._linear(rt, h, w["lm_head"], name="logits", norm=norm)
         if self.ops["logits"] == "transposed":
-            return self._by_rows(rt, lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt), h,
-                                 c.vocab_size, "logits")
+            return self._by_rows(rt, lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt,
+                                                                                  norm=norm), h, c.vocab_size,
+                                 "logits")
         return k_matmul.matmul(h, k_matmul.transpose(w["embed"], rt=rt), rt=rt)
 
     def _paged_attention(self, rt, q, i, pos_d, tables, T, max_len):
@@ -257,12 +259,12 @@ class CudaBackend:
         up = self._linear(rt, h, lw["w_up"], name="up", norm=norm)
         return k_elt.silu_mul(gate, up, out=rt.empty((T, self.config.d_ff), name="act"), rt=rt)
 
-    def _normed(self, rt, x, gamma):
+    def _normed(self, rt, x, gamma, name="h"):
         """(rows, norm) to give the next projections: (x, (gamma, eps)) when they normalize it themselves, else
-        (RMSNorm(x) gamma written by the norm kernel, None)."""
+        (RMSNorm(x) gamma written by the norm kernel into the buffer `name`, None)."""
         if self.ops["norm"] == "fused":
             return x, (gamma, self.config.rms_eps)
-        h = k_elt.rms_norm(x, gamma, self.config.rms_eps, out=rt.empty(x.shape, name="h"), rt=rt)
+        h = k_elt.rms_norm(x, gamma, self.config.rms_eps, out=rt.empty(x.shape, name=name), rt=rt)
         return h, None
 
     def _by_rows(self, rt, f, x, n_out, name, out=None):

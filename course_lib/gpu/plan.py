@@ -6,7 +6,7 @@ recorded once and replayed:
 - the inputs of the step are buffers, not Python values: `token` (the id fed in), `position` (its position) and
   `slot` (its cache row), with the sequence's `page_table`;
 - every intermediate is a buffer allocated once under a name (as the fields of llama2.c's RunState: `x`, `q`,
-  `attn`, `act`, `h_final`, `logits`, and with the unfused kernels `h`, `k`, `v`, `o`, `gate`, `up`, `down`), and
+  `attn`, `act`, `logits`, and with the unfused kernels `h`, `h_final`, `k`, `v`, `o`, `gate`, `up`, `down`), and
   every split-K matmul and every completion counter has its own scratch (`Runtime.per_site`);
 - the grids are sized for the longest context the plan can reach: flash-decoding launches the chunks of a query at
   `capacity` keys and always merges them (its merge kernel, or its last blocks in one launch); blocks past the

@@ -8,8 +8,10 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel 
   adjacent columns and one slice of K (grid: column groups x S slices, S from `split_k`). Lane l owns 8 adjacent
   columns, read with 16-byte loads (`vector.load16`: one load for 8 bf16 weights, two for 8 float32), so a warp
   reads 512 contiguous bytes of a bf16 weight row per instruction. Warp w takes the rows k0 + w, k0 + w + WARPS,
-  ... of the slice, UNROLL (8) rows at a time: eight loads in flight, then the FMAs into 8 R running sums (R is a
-  compile-time constant: one kernel per R, the sums stay in registers). The warps' sums meet in shared memory,
+  ... of the slice, UNROLL (8) rows at a time: their loads all in flight (fewer at the slice's end: a 64-row
+  slice still has its 4 rows per warp loaded together), then the FMAs into 8 R running sums (R is a compile-time
+  constant: one kernel per R, the sums stay in registers). With a norm, the first step's loads are in flight
+  while the block computes the rows' scales. The warps' sums meet in shared memory,
   one row r at a time, and are added in warp order into a scratch partial[s, r, col].
   It needs N % 8 == 0 and 16-byte aligned weights; otherwise `matmul_split_k` does the same with one column per
   lane and one 4-byte (f32) or 2-byte (bf16) load per weight, 32 columns per group.
@@ -28,7 +30,8 @@ embedding table), in one kernel, `matmul_transposed_vec`: a team of 8 lanes per 
 at once; T_BLOCKS_PER_SM blocks per SM at most, a grid-stride loop over the rows). Lane j of a team reads the
 8-element groups j, j + 8, ... of the row (16-byte loads of b and of a, UNROLL in flight), into R sums; each sum
 is added across the team by three shuffles and the team's first lane writes out[r, n]. Without K % 8 == 0 and
-aligned arrays, `matmul_transposed_warps` reads one element per lane, one warp per row.
+aligned arrays, `matmul_transposed_warps` reads one element per lane, one warp per row. Both can normalize the
+rows of a on the fly, as the split-K kernel does (the final norm inside the logits).
 
 Kernels are built on first use by factories, one per (R, weight kind), and kept in a dict; weight kinds are
 "f32", "bf16" (one element per load) and "f32x8", "bf16x8" (eight per lane, 16-byte loads).
@@ -144,6 +147,17 @@ def split_k_block_for(rows, width, load, normed):
     group = 32 * width  # columns of a block
 
     @cuda.jit(device=True)
+    def load_step(b, k, k_end, v, per_row, buf):
+        """buf[u] = the weights of row k + u WARPS (columns of lane v), for the rows of the step before k_end: all
+        the loads issued, none waited for (a slice shorter than a step, as K = 576 in 9 slices gives, still has
+        its rows in flight together, not one memory latency after another)."""
+        for u in range(UNROLL):
+            if k + u * WARPS < k_end:
+                w = load(b, k + u * WARPS, v, per_row)
+                for c in range(width):
+                    buf[u, c] = w[c]
+
+    @cuda.jit(device=True)
     def split_k_block(g, s, a, gamma, eps, b, partial, done):
         """Block (g, s) of the split-K product a [R, K] @ b [K, N]: sums slice s of K for the columns of group g
         into partial[s] [R, N], then counts itself in done[g]. Returns True in the group's last block to finish
@@ -158,35 +172,26 @@ def split_k_block_for(rows, width, load, normed):
         lane, warp = tid % 32, tid // 32
         v, per_row = g * 32 + lane, N // width
         k, k_end = s * K // S + warp, (s + 1) * K // S
-        if normed:
+        if v >= per_row:  # a lane past the last column reads nothing (and still meets the block's barriers)
+            k = k_end
+        load_step(b, k, k_end, v, per_row, buf)  # the first step's weights, in flight while the rows' scales are
+        if normed:  # computed: the norm adds no memory latency to the weights'
             for r in range(rows):
                 scale[r] = row_rms(a, r, eps, scratch)
         for r in range(rows):
             for c in range(width):
                 acc[r, c] = float32(0)
-        if v < per_row:
-            while k + (UNROLL - 1) * WARPS < k_end:  # rows k, k + WARPS, ..., k + (UNROLL - 1) WARPS
-                for u in range(UNROLL):  # all the loads first: UNROLL in flight
-                    w = load(b, k + u * WARPS, v, per_row)
-                    for c in range(width):
-                        buf[u, c] = w[c]
-                for r in range(rows):
-                    for u in range(UNROLL):
+        while k < k_end:  # rows k, k + WARPS, ..., k + (UNROLL - 1) WARPS (those before k_end), loaded in buf
+            for r in range(rows):
+                for u in range(UNROLL):
+                    if k + u * WARPS < k_end:
                         x = a[r, k + u * WARPS]
                         if normed:
                             x = x / scale[r] * gamma[k + u * WARPS]
                         for c in range(width):
                             acc[r, c] += x * buf[u, c]
-                k += UNROLL * WARPS
-            while k < k_end:
-                w = load(b, k, v, per_row)
-                for r in range(rows):
-                    x = a[r, k]
-                    if normed:
-                        x = x / scale[r] * gamma[k]
-                    for c in range(width):
-                        acc[r, c] += x * w[c]
-                k += WARPS
+            k += UNROLL * WARPS
+            load_step(b, k, k_end, v, per_row, buf)
         for r in range(rows):  # the block's sums, one row at a time, warps in order
             for c in range(width):
                 sums[warp, lane * width + c] = acc[r, c]
@@ -257,30 +262,43 @@ def _make_split_k(rows, width, load, bias_f32, accumulate, normed):
     return cuda.jit(**SPLIT_K_BOUNDS)(matmul_split_k)
 
 
-def _make_transposed(rows, to_f32):
+@cuda.jit(device=True)
+def row_scales(a, eps, scale, normed):
+    """scale[r] = rms(a[r]) for every row of a (elementwise.row_rms: rms_norm's bits) when normed; every thread of
+    the block calls."""
+    scratch = cuda.shared.array(32, dtype=float32)
+    if normed:
+        for r in range(scale.shape[0]):
+            scale[r] = row_rms(a, r, eps, scratch)
+
+
+def _make_transposed(rows, to_f32, normed):
     @cuda.jit
-    def matmul_transposed_warps(a, b, out):
-        """out[r, n] = a[r, :] . b[n, :] (b [N, K]): one warp per row n, lanes along K; block T_THREADS."""
+    def matmul_transposed_warps(a, gamma, eps, b, out):
+        """out[r, n] = h[r, :] . b[n, :] (b [N, K]), h = a, or RMSNorm(a) * gamma (eps) when normed: one warp per
+        row n, lanes along K; block T_THREADS."""
         acc = cuda.local.array(rows, dtype=float32)
+        scale = cuda.local.array(rows, dtype=float32)
         buf = cuda.local.array(UNROLL, dtype=float32)
         N, K = b.shape[0], b.shape[1]
         lane = cuda.threadIdx.x % 32
+        row_scales(a, eps, scale, normed)
         for n in range(cuda.grid(1) // 32, N, cuda.gridsize(1) // 32):  # the same n for the whole warp
             for r in range(rows):
                 acc[r] = float32(0)
             k = lane
-            while k + (UNROLL - 1) * 32 < K:
-                for u in range(UNROLL):
-                    buf[u] = to_f32(b[n, k + 32 * u])
+            while k < K:
+                for u in range(UNROLL):  # the loads of the step in flight together
+                    if k + 32 * u < K:
+                        buf[u] = to_f32(b[n, k + 32 * u])
                 for r in range(rows):
                     for u in range(UNROLL):
-                        acc[r] += a[r, k + 32 * u] * buf[u]
+                        if k + 32 * u < K:
+                            x = a[r, k + 32 * u]
+                            if normed:
+                                x = x / scale[r] * gamma[k + 32 * u]
+                            acc[r] += x * buf[u]
                 k += UNROLL * 32
-            while k < K:
-                w = to_f32(b[n, k])
-                for r in range(rows):
-                    acc[r] += a[r, k] * w
-                k += 32
             for r in range(rows):
                 v = segment_sum(acc[r], 32)
                 if lane == 0:
@@ -289,41 +307,45 @@ def _make_transposed(rows, to_f32):
     return matmul_transposed_warps
 
 
-def _make_transposed_vec(rows, load8):
+def _make_transposed_vec(rows, load8, normed):
     @cuda.jit
-    def matmul_transposed_vec(a_words, words, out):
-        """out[r, n] = a[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), both seen as flat
-        uint32 words: a team of TEAM lanes per row n (4 rows per warp), lane j of the team reads the groups
-        j, j + TEAM, ... of 8 elements; block T_THREADS, grid-stride over rows (warps move together)."""
+    def matmul_transposed_vec(a, gamma, eps, a_words, words, out):
+        """out[r, n] = h[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), h = a, or RMSNorm(a) *
+        gamma [K] (eps) when normed; a and b also seen as flat uint32 words (a_words, words): a team
+        of TEAM lanes per row n (4 rows per warp), lane j of the team reads the groups j, j + TEAM, ... of 8
+        elements; block T_THREADS, grid-stride over rows (warps move together)."""
         acc = cuda.local.array(rows, dtype=float32)
+        scale = cuda.local.array(rows, dtype=float32)
         buf = cuda.local.array((UNROLL, VEC), dtype=float32)
         N, per_row = out.shape[1], a_words.shape[0] // (rows * VEC)  # per_row = K / 8 groups of a row
         lane, teams = cuda.threadIdx.x % 32, 32 // TEAM
         j0, warp, warps = lane % TEAM, cuda.grid(1) // 32, cuda.gridsize(1) // 32
+        row_scales(a, eps, scale, normed)
         for n0 in range(warp * teams, N, warps * teams):  # rows n0 .. n0 + 3 for this warp
             n = n0 + lane // TEAM
             for r in range(rows):
                 acc[r] = float32(0)
             if n < N:
                 j, row = j0, n * per_row
-                while j + (UNROLL - 1) * TEAM < per_row:  # groups j, j + TEAM, ... of row n
+                while j < per_row:  # groups j, j + TEAM, ... of row n, UNROLL of them in flight
                     for u in range(UNROLL):
-                        w = load8(words, row + j + u * TEAM)
-                        for c in range(VEC):
-                            buf[u, c] = w[c]
+                        if j + u * TEAM < per_row:
+                            w = load8(words, row + j + u * TEAM)
+                            for c in range(VEC):
+                                buf[u, c] = w[c]
                     for r in range(rows):
                         for u in range(UNROLL):
-                            x = f32x8(a_words, r * per_row + j + u * TEAM)
-                            for c in range(VEC):
-                                acc[r] += x[c] * buf[u, c]
+                            if j + u * TEAM < per_row:
+                                x = f32x8(a_words, r * per_row + j + u * TEAM)
+                                if normed:
+                                    k = VEC * (j + u * TEAM)
+                                    for c in range(VEC):
+                                        h = x[c] / scale[r] * gamma[k + c]  # rms_norm's h, not stored
+                                        acc[r] += h * buf[u, c]
+                                else:
+                                    for c in range(VEC):
+                                        acc[r] += x[c] * buf[u, c]
                     j += UNROLL * TEAM
-                while j < per_row:
-                    w = load8(words, row + j)
-                    for r in range(rows):
-                        x = f32x8(a_words, r * per_row + j)
-                        for c in range(VEC):
-                            acc[r] += x[c] * w[c]
-                    j += TEAM
             for r in range(rows):  # every lane of the warp takes part in the shuffles
                 v = segment_sum(acc[r], TEAM)  # the team's 8 lanes
                 if j0 == 0 and n < N:
@@ -359,10 +381,10 @@ def bf16x8_at(words, k, v, per_row):
 BIAS_READERS = {"f32": f32_weight, "bf16": bf16_weight}  # bias kind -> its reader (shared with kernels/fused)
 SPLIT_K_LOADS = {"f32": (1, f32_at), "bf16": (1, bf16_at), "f32x8": (VEC, f32x8_at), "bf16x8": (VEC, bf16x8_at)}
 _TRANSPOSED = {
-    "f32": lambda rows: _make_transposed(rows, f32_weight),
-    "bf16": lambda rows: _make_transposed(rows, bf16_weight),
-    "f32x8": lambda rows: _make_transposed_vec(rows, f32x8),
-    "bf16x8": lambda rows: _make_transposed_vec(rows, bf16x8),
+    "f32": lambda rows, normed: _make_transposed(rows, f32_weight, normed),
+    "bf16": lambda rows, normed: _make_transposed(rows, bf16_weight, normed),
+    "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
+    "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
 _KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed) -> kernel, built on first use
 
@@ -377,7 +399,7 @@ def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate:
             width, load = SPLIT_K_LOADS[kind]
             _KERNELS[key] = _make_split_k(rows, width, load, BIAS_READERS[bias], accumulate, normed)
         else:
-            _KERNELS[key] = _TRANSPOSED[kind](rows)
+            _KERNELS[key] = _TRANSPOSED[kind](rows, normed)
     return _KERNELS[key]
 
 
@@ -483,9 +505,10 @@ def linear(a, b, bias=None, out=None, stream=0, rt=None):
     return out if bias is None else mm.add_bias(out, bias, stream, rt)
 
 
-def matmul_transposed(a, b, out=None, stream=0, rt=None):
+def matmul_transposed(a, b, out=None, stream=0, rt=None, norm=None):
     """a [R, K] float32 @ b [N, K].T, b float32 or bf16 (uint16), read in place -> out [R, N] float32,
-    for 1 <= R <= MAX_ROWS (the tied-embedding logits: b is the embedding table)."""
+    for 1 <= R <= MAX_ROWS (the tied-embedding logits: b is the embedding table). norm = (gamma [K] float32, eps):
+    RMSNorm(a) * gamma @ b.T, the norm computed by the kernel's blocks (the same bits as rms_norm then this)."""
     (R, K), (N, K2) = a.shape, b.shape
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"matmul_transposed: a has {R} rows, expected 1 to {MAX_ROWS}")
@@ -493,8 +516,14 @@ def matmul_transposed(a, b, out=None, stream=0, rt=None):
         raise ValueError(f"matmul_transposed: a is {a.shape}, b is {b.shape} (expected [N, {K}])")
     if out is not None and out.shape != (R, N):
         raise ValueError(f"matmul_transposed: out is {out.shape}, expected {(R, N)}")
-    kind = weight_kind(b, vector=K % VEC == 0 and aligned16(b) and aligned16(a))
-    a, b, per_block = (words(a), words(b), T_WARPS * 32 // TEAM) if kind.endswith("x8") else (a, b, T_WARPS)
+    gamma, eps = norm_args(norm, K)
+    vector = K % VEC == 0 and aligned16(b) and aligned16(a)
+    kind = weight_kind(b, vector=vector)
+    kernel = kernel_for("transposed", kind, R, normed=norm is not None)
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    launch(kernel_for("transposed", kind, R), _transposed_blocks(N, per_block), T_THREADS, stream, rt, a, b, out)
+    if vector:
+        launch(kernel, _transposed_blocks(N, T_WARPS * 32 // TEAM), T_THREADS, stream, rt, a, gamma, eps, words(a),
+               words(b), out)
+    else:
+        launch(kernel, _transposed_blocks(N, T_WARPS), T_THREADS, stream, rt, a, gamma, eps, b, out)
     return out
