@@ -8,10 +8,8 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel 
   adjacent columns and one slice of K (grid: column groups x S slices, S from `split_k`). Lane l owns 8 adjacent
   columns, read with 16-byte loads (`vector.load16`: one load for 8 bf16 weights, two for 8 float32), so a warp
   reads 512 contiguous bytes of a bf16 weight row per instruction. Warp w takes the rows k0 + w, k0 + w + WARPS,
-  ... of the slice, UNROLL (8) rows at a time: their loads all in flight (fewer at the slice's end: a 64-row
-  slice still has its 4 rows per warp loaded together), then the FMAs into 8 R running sums (R is a compile-time
-  constant: one kernel per R, the sums stay in registers). With a norm, the first step's loads are in flight
-  while the block computes the rows' scales. The warps' sums meet in shared memory,
+  ... of the slice, UNROLL (8) rows at a time: eight loads in flight, then the FMAs into 8 R running sums (R is a
+  compile-time constant: one kernel per R, the sums stay in registers). The warps' sums meet in shared memory,
   one row r at a time, and are added in warp order into a scratch partial[s, r, col].
   It needs N % 8 == 0 and 16-byte aligned weights; otherwise `matmul_split_k` does the same with one column per
   lane and one 4-byte (f32) or 2-byte (bf16) load per weight, 32 columns per group.
@@ -149,17 +147,6 @@ def split_k_block_for(rows, width, load, normed):
     group = 32 * width  # columns of a block
 
     @cuda.jit(device=True)
-    def load_step(b, k, k_end, v, per_row, buf):
-        """buf[u] = the weights of row k + u WARPS (columns of lane v), for the rows of the step before k_end: all
-        the loads issued, none waited for (a slice shorter than a step, as K = 576 in 9 slices gives, still has
-        its rows in flight together, not one memory latency after another)."""
-        for u in range(UNROLL):
-            if k + u * WARPS < k_end:
-                w = load(b, k + u * WARPS, v, per_row)
-                for c in range(width):
-                    buf[u, c] = w[c]
-
-    @cuda.jit(device=True)
     def split_k_block(g, s, a, gamma, eps, b, partial, done):
         """Block (g, s) of the split-K product a [R, K] @ b [K, N]: sums slice s of K for the columns of group g
         into partial[s] [R, N], then counts itself in done[g]. Returns True in the group's last block to finish
@@ -174,26 +161,35 @@ def split_k_block_for(rows, width, load, normed):
         lane, warp = tid % 32, tid // 32
         v, per_row = g * 32 + lane, N // width
         k, k_end = s * K // S + warp, (s + 1) * K // S
-        if v >= per_row:  # a lane past the last column reads nothing (and still meets the block's barriers)
-            k = k_end
-        load_step(b, k, k_end, v, per_row, buf)  # the first step's weights, in flight while the rows' scales are
-        if normed:  # computed: the norm adds no memory latency to the weights'
+        if normed:
             for r in range(rows):
                 scale[r] = row_rms(a, r, eps, scratch)
         for r in range(rows):
             for c in range(width):
                 acc[r, c] = float32(0)
-        while k < k_end:  # rows k, k + WARPS, ..., k + (UNROLL - 1) WARPS (those before k_end), loaded in buf
-            for r in range(rows):
-                for u in range(UNROLL):
-                    if k + u * WARPS < k_end:
+        if v < per_row:
+            while k + (UNROLL - 1) * WARPS < k_end:  # rows k, k + WARPS, ..., k + (UNROLL - 1) WARPS
+                for u in range(UNROLL):  # all the loads first: UNROLL in flight
+                    w = load(b, k + u * WARPS, v, per_row)
+                    for c in range(width):
+                        buf[u, c] = w[c]
+                for r in range(rows):
+                    for u in range(UNROLL):
                         x = a[r, k + u * WARPS]
                         if normed:
                             x = x / scale[r] * gamma[k + u * WARPS]
                         for c in range(width):
                             acc[r, c] += x * buf[u, c]
-            k += UNROLL * WARPS
-            load_step(b, k, k_end, v, per_row, buf)
+                k += UNROLL * WARPS
+            while k < k_end:
+                w = load(b, k, v, per_row)
+                for r in range(rows):
+                    x = a[r, k]
+                    if normed:
+                        x = x / scale[r] * gamma[k]
+                    for c in range(width):
+                        acc[r, c] += x * w[c]
+                k += WARPS
         for r in range(rows):  # the block's sums, one row at a time, warps in order
             for c in range(width):
                 sums[warp, lane * width + c] = acc[r, c]
@@ -292,15 +288,18 @@ def _make_transposed(rows, to_f32, normed):
             for r in range(rows):
                 acc[r] = float32(0)
             k = lane
-            while k < K:
-                for u in range(UNROLL):  # the loads of the step in flight together
-                    if k + 32 * u < K:
-                        buf[u] = to_f32(b[n, k + 32 * u])
+            while k + (UNROLL - 1) * 32 < K:
+                for u in range(UNROLL):
+                    buf[u] = to_f32(b[n, k + 32 * u])
                 for r in range(rows):
                     for u in range(UNROLL):
-                        if k + 32 * u < K:
-                            acc[r] += (h[k + 32 * u] if normed else a[r, k + 32 * u]) * buf[u]
+                        acc[r] += (h[k + 32 * u] if normed else a[r, k + 32 * u]) * buf[u]
                 k += UNROLL * 32
+            while k < K:
+                w = to_f32(b[n, k])
+                for r in range(rows):
+                    acc[r] += (h[k] if normed else a[r, k]) * w
+                k += 32
             for r in range(rows):
                 v = segment_sum(acc[r], 32)
                 if lane == 0:
@@ -310,6 +309,14 @@ def _make_transposed(rows, to_f32, normed):
 
 
 def _make_transposed_vec(rows, load8, normed):
+    @cuda.jit(device=True)
+    def group_of_row(a_words, h, r, per_row, j):
+        """The 8 elements of group j of row r: of the normalized row h in shared memory when normed, else of a."""
+        if normed:
+            return (h[VEC * j], h[VEC * j + 1], h[VEC * j + 2], h[VEC * j + 3], h[VEC * j + 4], h[VEC * j + 5],
+                    h[VEC * j + 6], h[VEC * j + 7])
+        return f32x8(a_words, r * per_row + j)
+
     @cuda.jit
     def matmul_transposed_vec(a, gamma, eps, a_words, words, out):
         """out[r, n] = h[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), h = a, or (one row, K <=
@@ -330,23 +337,24 @@ def _make_transposed_vec(rows, load8, normed):
                 acc[r] = float32(0)
             if n < N:
                 j, row = j0, n * per_row
-                while j < per_row:  # groups j, j + TEAM, ... of row n, UNROLL of them in flight
+                while j + (UNROLL - 1) * TEAM < per_row:  # groups j, j + TEAM, ... of row n
                     for u in range(UNROLL):
-                        if j + u * TEAM < per_row:
-                            w = load8(words, row + j + u * TEAM)
-                            for c in range(VEC):
-                                buf[u, c] = w[c]
+                        w = load8(words, row + j + u * TEAM)
+                        for c in range(VEC):
+                            buf[u, c] = w[c]
                     for r in range(rows):
                         for u in range(UNROLL):
-                            if j + u * TEAM < per_row:
-                                if normed:
-                                    for c in range(VEC):
-                                        acc[r] += h[VEC * (j + u * TEAM) + c] * buf[u, c]
-                                else:
-                                    x = f32x8(a_words, r * per_row + j + u * TEAM)
-                                    for c in range(VEC):
-                                        acc[r] += x[c] * buf[u, c]
+                            x = group_of_row(a_words, h, r, per_row, j + u * TEAM)
+                            for c in range(VEC):
+                                acc[r] += x[c] * buf[u, c]
                     j += UNROLL * TEAM
+                while j < per_row:
+                    w = load8(words, row + j)
+                    for r in range(rows):
+                        x = group_of_row(a_words, h, r, per_row, j)
+                        for c in range(VEC):
+                            acc[r] += x[c] * w[c]
+                    j += TEAM
             for r in range(rows):  # every lane of the warp takes part in the shuffles
                 v = segment_sum(acc[r], TEAM)  # the team's 8 lanes
                 if j0 == 0 and n < N:

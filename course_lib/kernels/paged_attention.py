@@ -30,7 +30,7 @@ each row reading its keys through its own sequence's page table. The kernels are
 functions `chunk_block` and `merge_head` of (virtual block index, buffers).
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
-(`tile_keys`), so that the chunks of the longest queries times Hkv give about BLOCKS_PER_SM blocks per SM. The
+(`chunk_unit`), so that the chunks of the longest queries times Hkv give about BLOCKS_PER_SM blocks per SM. The
 length depends only on n, Hkv, hd and the GPU (never on T), and so does the merge, which counts the query's own
 chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's x is
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
@@ -65,6 +65,7 @@ MAX_GROUP_DIMS = 1024  # G x hd at most: the warps' partial outputs (WARPS x G x
 WARPS = sized(8, 1)  # warps of a flash_decode_chunks block (the fastest of 2, 4 and 8)
 THREADS = 32 * WARPS
 UNROLL = 4  # keys per team and step: 2 UNROLL 16-byte groups of bf16 in flight per lane (4 UNROLL of float32)
+CHUNK_STEPS = 1  # a chunk is a whole number of this many steps of a block
 BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastest of 2, 3 and 4 at 4k)
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
@@ -94,7 +95,7 @@ def chunk_target(n_kv_heads: int, sms: int | None = None) -> int:
 
 def chunks_for(n_keys: int, n_kv_heads: int, head_dim: int, sms: int | None = None) -> tuple[int, int]:
     """(chunk length, number of chunks) of a query that sees n_keys keys (n_keys = position + 1)."""
-    length = chunk_len(n_keys, chunk_target(n_kv_heads, sms), tile_keys(head_dim))
+    length = chunk_len(n_keys, chunk_target(n_kv_heads, sms), chunk_unit(head_dim))
     return length, -(-n_keys // length)
 
 
@@ -156,6 +157,12 @@ def team_size(head_dim: int) -> int:
 def tile_keys(head_dim: int) -> int:
     """Keys a flash_decode_chunks block reads per step: UNROLL keys for each team of each warp."""
     return WARPS * (32 // team_size(head_dim)) * UNROLL
+
+
+def chunk_unit(head_dim: int) -> int:
+    """Chunk lengths are multiples of this: CHUNK_STEPS steps of a block (a short context gets one chunk, no
+    merge)."""
+    return CHUNK_STEPS * tile_keys(head_dim)
 
 
 def _make_chunks(load8, group, head_dim, page_size):
@@ -485,7 +492,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     pages = page_table.shape[page_table.ndim - 1]  # (the simulator's shapes take no negative index)
     if max_len > pages * page_size:
         raise ValueError(f"flash_attention: max_len {max_len} > {pages} pages x {page_size}")
-    target, unit = chunk_target(Hkv), tile_keys(hd)
+    target, unit = chunk_target(Hkv), chunk_unit(hd)
     n_chunks = max(1, min(target, -(-max_len // unit)))  # at least the chunks of any query of the pass
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)
