@@ -42,8 +42,9 @@ RECIPES = {r.name: r for r in (
     Recipe("graph", "06", "the step plan replayed as one CUDA graph per token", PAGED, replay="graph"),
     Recipe("graph8", "06", "the step plan, eight tokens per CUDA graph launch", PAGED, replay="graph",
            steps_per_launch=8),
-    Recipe("fused", "05, 06", "the graph replay of a step of five kernels per layer: norm + QKV + RoPE + cache "
-           "write, attention, O + residual, norm + gate/up + SwiGLU, down + residual", FUSED, replay="graph"),
+    Recipe("fused", "05, 06", "the graph replay of a step of six kernels per layer: norm + QKV + RoPE + cache "
+           "write, attention (chunks, merge), O + residual, norm + gate/up + SwiGLU, down + residual; the final norm "
+           "in the logits", FUSED, replay="graph"),
 )}
 
 

@@ -12,7 +12,7 @@ from checks import as_computed, logit_tolerance
 from course_lib import reference
 from course_lib.gpu.backend import FUSED, NARROW, PAGED, CudaBackend
 from course_lib.kernels import SIMULATOR
-from course_lib.kernels.paged_attention import tile_keys
+from course_lib.kernels.paged_attention import chunk_unit
 
 
 @pytest.mark.parametrize("ops", [None, NARROW, PAGED, FUSED], ids=["baseline", "narrow", "paged", "fused"])
@@ -70,15 +70,17 @@ def test_fused_residual_needs_the_paged_step(tiny):
         CudaBackend(tiny, 4, ops={"matmul": "narrow", "residual": "fused"})
 
 
-def test_fused_step_is_five_kernels_per_layer(tiny):
-    """The fused step (recorded, not run): per layer, norm + QKV + RoPE + cache write, attention (merged in the
-    same kernel), O + residual, norm + gate/up + SwiGLU, down + residual; then the final norm and the logits, in
-    one kernel."""
-    n = 2 * tile_keys(tiny.config.head_dim) + 1  # the keys of two chunks or more
-    backend = CudaBackend(tiny, n + 1, weights="bf16", ops=FUSED)
+@pytest.mark.parametrize("attention,kernels", [("two_kernels", ["flash_decode_chunks", "merge_chunks"]),
+                                               ("one_kernel", ["flash_decode"])])
+def test_fused_step_kernels_per_layer(tiny, attention, kernels):
+    """The fused step (recorded, not run): per layer, norm + QKV + RoPE + cache write, attention (its chunks then
+    the merge; or one kernel, merged by each head's last block), O + residual, norm + gate/up + SwiGLU, down +
+    residual; then the final norm and the logits, in one kernel."""
+    n = 2 * chunk_unit(tiny.config.head_dim) + 1  # the keys of two chunks or more
+    backend = CudaBackend(tiny, n + 1, weights="bf16", ops=FUSED | {"attention": attention})
     backend.rt.record(lambda: backend.prefill(list(range(n))))  # (recorded, not run)
     names = [launch[0] for launch in backend.rt.record(lambda: backend.decode(5))]
-    layer = ["qkv_rope_split_k_vec", "flash_decode", "matmul_split_k_vec_add", "gate_up_swiglu_split_k_vec",
+    layer = ["qkv_rope_split_k_vec", *kernels, "matmul_split_k_vec_add", "gate_up_swiglu_split_k_vec",
              "matmul_split_k_vec_add"]
     assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
 

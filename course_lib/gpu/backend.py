@@ -56,7 +56,9 @@ OP_CHOICES = {
 BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
 NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
 PAGED = NARROW | {"kv_cache": "paged"}
-FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused", "attention": "one_kernel"}
+# the fastest measured step: attention stays two kernels (on the H200, a separate merge kernel beat the merge by each
+# head's last block from two chunks of keys up, 1.30 against 1.40 ms per step at 200 keys; data/h200_kernel_notes.md)
+FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused"}
 
 
 def resolve_ops(ops: dict | None) -> dict:
