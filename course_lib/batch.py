@@ -31,7 +31,7 @@ from . import reference
 from .device import gpu_available
 from .generate import Generation, TextStream, check_request, prompt_ids
 from .gpu.kv_cache import PAGE_SIZE, PagedKVCache
-from .kernels.sampling import NO_TOKEN, sample
+from .kernels.sampling import NO_TOKEN, sample, sample_batch
 from .model.loading import Model
 
 
@@ -87,13 +87,17 @@ class Sequence:
 
     def pages_to_run(self, page_size: int) -> int:
         """Pages the sequence needs to compute what it has and one more position."""
-        return -(-(len(self.prompt_ids) + len(self.tokens) + 1) // page_size)
+        return -(-(self.next_position + 1) // page_size)
 
-    def take(self, logits: np.ndarray, now: float) -> None:
-        """Sample the next token from `logits` (its position: the sequence's length) and record it."""
-        token = sample(logits, *self.sampling, position=len(self.prompt_ids) + len(self.tokens))
+    @property
+    def next_position(self) -> int:
+        """The position of the sequence's next token (its length)."""
+        return len(self.prompt_ids) + len(self.tokens)
+
+    def take(self, token: int, now: float) -> None:
+        """Record the next token, sampled from the logits of the last position (NO_TOKEN: they held a NaN)."""
         if token == NO_TOKEN:
-            self.stop_reason = f"error: NaN in the logits of position {len(self.prompt_ids) + len(self.tokens) - 1}"
+            self.stop_reason = f"error: NaN in the logits of position {self.next_position - 1}"
             return
         self.tokens.append(token)
         self.times.append(now)
@@ -145,25 +149,38 @@ class Scheduler:
 
 
 class Runner:
-    """What the scheduler's loop drives: a cache shared by the sequences, forward(seq, ids) (the logits [V] of the
-    last of `ids`, the sequence's next positions), decode(seqs) (one step of each), and prefill(seq)."""
+    """What the scheduler's loop drives: a cache shared by the sequences, forward(seq, ids) (the logits [1, V] of
+    the last of `ids`, the sequence's next positions), step(seqs) (the logits [T, V] of one decode step of each),
+    sample(seqs, logits) (their next tokens, each with its own settings at its own position), and from those
+    prefill(seq) and decode(seqs), which return tokens."""
 
     cache: PagedKVCache
 
-    def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
+    def forward(self, seq: Sequence, ids: list[int]):
         raise NotImplementedError
 
-    def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
+    def step(self, seqs: list[Sequence]):
         raise NotImplementedError
 
-    def prefill(self, seq: Sequence) -> np.ndarray:
+    def sample(self, seqs: list[Sequence], logits) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One decode step of every sequence: their next tokens."""
+        return self.sample(seqs, self.step(seqs))
+
+    def recompute(self, seq: Sequence):
         """Compute the sequence from the start as it was first computed: its prompt in one pass, then each of its
         tokens but the last (the next decode step feeds that one) in a step of its own: a preempted sequence comes
-        back with the same bits. -> the logits of the last position computed."""
+        back with the same bits. -> the logits [1, V] of the last position computed."""
         logits = self.forward(seq, seq.prompt_ids)
         for token in seq.tokens[:-1]:
             logits = self.forward(seq, [token])
         return logits
+
+    def prefill(self, seq: Sequence) -> int:
+        """recompute, then the token sampled from the last logits (a preempted sequence has it already)."""
+        return self.sample([seq], self.recompute(seq))[0]
 
 
 class NumpyBatch(Runner):
@@ -177,16 +194,21 @@ class NumpyBatch(Runner):
 
     def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
         seq.kv.reserve(len(ids))
-        return reference.forward(self.model.weights, self.model.config, np.asarray(ids), seq.kv, self.rope)
+        return reference.forward(self.model.weights, self.model.config, np.asarray(ids), seq.kv, self.rope)[None]
 
-    def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
-        return [self.forward(seq, [seq.tokens[-1]]) for seq in seqs]
+    def step(self, seqs: list[Sequence]) -> np.ndarray:
+        return np.concatenate([self.forward(seq, [seq.tokens[-1]]) for seq in seqs])
+
+    def sample(self, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
+        return [sample(row, *seq.sampling, position=seq.next_position) for seq, row in zip(seqs, logits, strict=True)]
 
 
 class CudaBatch(Runner):
     """The CUDA backend's fused step (gpu.backend.FUSED, kernels launched one by one) over several sequences
     sharing its paged cache: a pass per sequence for its prompt, then one pass for the decode step of all the
-    running sequences, their rows side by side in every matmul. Only the rows' bookkeeping is on the host."""
+    running sequences, their rows side by side in every matmul, then every row's next token sampled on the GPU
+    (kernels.sampling.sample_batch: T ids come back, not T x V logits). Only the rows' bookkeeping is on the
+    host."""
 
     def __init__(self, model: Model, pages: int, max_len: int, weights: str = "bf16"):
         from .gpu.backend import FUSED, CudaBackend
@@ -196,17 +218,21 @@ class CudaBatch(Runner):
         self.cache = self.backend.cache
         self.cache.free(0)  # the backend's own sequence: the batch's sequences take the pages
 
-    def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
-        return self._pass([(seq, ids)], every_row=False)[0]  # a pass of its own
+    def forward(self, seq: Sequence, ids: list[int]):
+        return self._pass([(seq, ids)], every_row=False)  # a pass of its own
 
-    def decode(self, seqs: list[Sequence]) -> list[np.ndarray]:
-        return list(self._pass([(seq, [seq.tokens[-1]]) for seq in seqs], every_row=True))
+    def step(self, seqs: list[Sequence]):
+        return self._pass([(seq, [seq.tokens[-1]]) for seq in seqs], every_row=True)
 
-    def _pass(self, items: list[tuple[Sequence, list[int]]], every_row: bool) -> np.ndarray:
+    def sample(self, seqs: list[Sequence], logits) -> list[int]:
+        return sample_batch(logits, [seq.sampling for seq in seqs], [seq.next_position for seq in seqs],
+                            rt=self.backend.rt).tolist()
+
+    def _pass(self, items: list[tuple[Sequence, list[int]]], every_row: bool):
         """One forward pass over the new positions of several sequences, rows in the order of `items`: each
         sequence's slots reserved, one upload (ids, positions, slots, the row's sequence, the page tables), the
         layers, each row's attention through its own sequence's page table. -> the logits [T, V] of every row
-        (every_row), or [1, V] of the last, on the host."""
+        (every_row), or [1, V] of the last, left on the device."""
         b, page = self.backend, self.cache.page_size
         ids, positions, slots, seq_of_row = [], [], [], []
         for s, (seq, new) in enumerate(items):
@@ -223,9 +249,8 @@ class CudaBatch(Runner):
         b.rt.begin_pass()
         packed = b.rt.to_device(np.concatenate([ids, positions, slots, seq_of_row, *tables]).astype(np.int32))
         page_tables = packed[4 * T:].reshape(S, width)  # one row per sequence (-1 past its pages: never read)
-        logits = b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], (page_tables, packed[3 * T:4 * T]),
-                            T, longest, all_logits=every_row)
-        return logits.copy_to_host(stream=b.rt.stream)
+        return b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], (page_tables, packed[3 * T:4 * T]),
+                          T, longest, all_logits=every_row)
 
 
 def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,
@@ -295,17 +320,18 @@ def _continuous(model, seqs, runner, name, max_running, on_finish) -> list[Gener
         for seq in scheduler.admit():
             seq.kv = PagedSequence(runner.cache, seq.index, len(seq.prompt_ids) + seq.max_new_tokens)
             seq.admitted_at = seq.admitted_at or time.perf_counter()
-            logits = runner.prefill(seq)
-            if not seq.tokens:  # a preempted sequence has its next token already
-                seq.take(logits, time.perf_counter())
+            if seq.tokens:  # a preempted sequence has its next token already
+                runner.recompute(seq)
+            else:
+                seq.take(runner.prefill(seq), time.perf_counter())
         for seq in [s for s in scheduler.running if s.stop_reason]:
             done(seq)
         if not scheduler.running:  # all ended at their prefill: admit the next ones
             continue
         scheduler.make_room()
         running = list(scheduler.running)
-        for seq, logits in zip(running, runner.decode(running), strict=True):
-            seq.take(logits, time.perf_counter())
+        for seq, token in zip(running, runner.decode(running), strict=True):
+            seq.take(token, time.perf_counter())
         for seq in [s for s in scheduler.running if s.stop_reason]:
             done(seq)
     return [results[s.index] for s in seqs]

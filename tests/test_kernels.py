@@ -293,6 +293,22 @@ def test_sampler_kernel_equals_its_twin(rng, temperature, top_k, top_p):
             sampling.sample(logits, temperature, top_k, top_p, seed, position)
 
 
+def test_sample_batch_draws_each_rows_token(rng):
+    """sample_batch (one block per row, each row its own settings and position) gives every row the twin's token:
+    greedy, sampled with top-k or top-p, and a row with a NaN (NO_TOKEN); the output poisoned first."""
+    V = by_mode(49152, 300)
+    settings = [(0.0, None, None, 1), (1.0, None, None, 7), (0.7, 5, None, 2**62), (1.3, None, 0.8, 11),
+                (0.0, None, None, 3)]
+    logits = randn(rng, len(settings), V, scale=3.0)
+    logits[4, 17] = np.nan
+    positions = rng.integers(1, 500, len(settings)).astype(np.int32)
+    got = sampling.sample_batch(dev(logits), settings, positions)
+    want = [sampling.sample(row, *s, position=int(p)) for row, s, p in zip(logits, settings, positions, strict=True)]
+    assert got.tolist() == want and want[4] == sampling.NO_TOKEN
+    with pytest.raises(ValueError, match="settings"):
+        sampling.sample_batch(dev(logits), settings[:2], positions)
+
+
 @pytest.mark.skipif(SIMULATOR, reason="many draws: a GPU test (the twin's distribution is tested on the host)")
 def test_sampler_kernel_distribution(rng):
     """On fixed logits, the kernel's draws over 4,000 positions match the softmax (chi-square, 9 degrees of freedom:
@@ -580,6 +596,7 @@ jobs = [
     ("attention_two_pass", attention.attention_two_pass, f"void({F3}, {F3}, {F3}, {I1}, float32, {F3})"),
     ("sample_next", sampling.sample_next, f"void({F1}, uint64[::1], float64[::1], int64[::1], {I1}, {I1}, {I1}, "
      f"{I1}, int64, {I1})"),
+    ("sample_rows", sampling.sample_rows, f"void({F2}, uint64[:, ::1], float64[:, ::1], int64[:, ::1], {I1}, {I1})"),
     ("copy_grid_stride", copy.copy_grid_stride, f"void({F1}, {F1})"),
 ]
 for dtype in (np.float32, np.uint16):
@@ -634,7 +651,7 @@ failed = 0
 for name, kernel, sig in jobs:
     try:
         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-        if name != "sample_next":  # the sampler's draw and its thresholds are float64 on purpose
+        if not name.startswith("sample_"):  # the sampler's draw and its thresholds are float64 on purpose
             assert ".f64" not in ptx, "float64 arithmetic (a float literal without float32(...)?)"
         if ptxas:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:

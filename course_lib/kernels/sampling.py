@@ -1,10 +1,11 @@
 """Choosing the next token on the GPU: greedy argmax, or seeded temperature / top-k / top-p sampling, in one block.
 
-The decode step ends here, so that the host never needs the 4 * V bytes of logits: the kernel writes the chosen
+The decode step ends here, so that the host never needs the 4 * V bytes of logits: `sample_next` writes the chosen
 id where the next step's embedding reads it, advances the position and the cache slot, and records the id in a
-history the host reads (4 bytes per token).
+history the host reads (4 bytes per token). `sample_rows` samples the rows of a batch, one block per row, each with
+its own settings and position (`sample_batch` on the host): T ids come back instead of T x V logits.
 
-The rule, the same in `sample` (NumPy, the twin the kernel is tested against) and in `sample_next` (the kernel):
+The rule, the same in `sample` (NumPy, the twin the kernels are tested against) and in `choose` (the kernels' body):
 - temperature 0: the largest logit, lowest id on ties (as numpy.argmax);
 - otherwise weights w_i = exp((x_i - max x) / temperature) in float32, held as integers W_i = floor(w_i 2^32)
   (so every sum below is exact and independent of the order of addition: a token lighter than 2^-32 of the
@@ -23,7 +24,7 @@ import math
 import numpy as np
 from numba import float32, float64, int32, int64, uint32, uint64
 
-from course_lib.kernels import SIMULATOR, cuda, sized
+from course_lib.kernels import SIMULATOR, cuda, empty, launch, sized
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 
 THREADS = sized(512, 32)  # one block; a multiple of 32 (1024 threads: too few registers each for the radix select)
@@ -239,14 +240,11 @@ def exclusive_scan_i64(v, scratch):
     return before + incl - v, total
 
 
-@cuda.jit
-def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
-                history):
-    """Choose the token after position[0] from logits [V] float32 (the rule at the top), then advance the step:
-    history[p + 1] = token[0] = the choice, position[0] = p + 1, slot[0] = its cache row (-1 past the page table).
-
-    weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
-    <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]. One block of THREADS."""
+@cuda.jit(device=True)
+def choose(logits, weights, temperature, top_p, top_k, seed, position):
+    """The token at `position` drawn from logits [V] float32 by the rule at the top (NO_TOKEN on a NaN), returned
+    to every thread of the block (one block of THREADS; all its threads call). weights: scratch uint64 [V];
+    top_p >= 1: off; top_k <= 0 or >= V: off."""
     f_scratch = cuda.shared.array(32, dtype=float32)
     i_scratch = cuda.shared.array(32, dtype=int64)
     best_i = cuda.shared.array(32, dtype=int32)
@@ -255,9 +253,6 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
     hist = cuda.shared.array(RADIX, dtype=int64)
     state = cuda.shared.array(2, dtype=int64)
     tid, V = cuda.threadIdx.x, logits.shape[0]
-    p = position[0]
-    temperature, top_p = temperature_top_p[0], temperature_top_p[1]
-    top_k, seed = top_k_seed[0], top_k_seed[1]
 
     m, best, nan = block_best(logits, f_scratch, best_i, any_nan)
     if tid == 0:
@@ -287,7 +282,7 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
             if sortable_key(logits[i]) >= low:
                 mine += int64(weights[i])
         before, total = exclusive_scan_i64(mine, i_scratch)
-        target = min(int64(uniform_on_device(seed, p + 1) * float64(total)), total - 1)
+        target = min(int64(uniform_on_device(seed, position) * float64(total)), total - 1)
         if before <= target < before + mine:
             run = before
             for i in range(lo, hi):
@@ -297,10 +292,51 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
                         choice[0] = int32(i)
                         break
     cuda.syncthreads()
-    if tid == 0:
-        tok, nxt = choice[0], p + 1
+    return choice[0]
+
+
+@cuda.jit
+def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
+                history):
+    """Choose the token after position[0] from logits [V] float32 (`choose`), then advance the step:
+    history[p + 1] = token[0] = the choice, position[0] = p + 1, slot[0] = its cache row (-1 past the page table).
+
+    weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
+    <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]. One block of THREADS."""
+    p = position[0]
+    tok = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1)
+    if cuda.threadIdx.x == 0:
+        nxt = p + 1
         history[nxt] = tok
         token[0] = tok
         position[0] = nxt
         slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size if nxt < page_table.shape[0] * page_size \
             else -1
+
+
+@cuda.jit
+def sample_rows(logits, weights, temperature_top_p, top_k_seed, positions, tokens):
+    """tokens[t] = the token at positions[t] drawn from logits[t] (`choose`) with row t's own settings: a batch of
+    sequences sampled at once, one block per row. logits [T, V] float32; weights: scratch uint64 [T, V];
+    temperature_top_p float64 [T, 2]; top_k_seed int64 [T, 2]; positions, tokens [T] int32. Grid T, THREADS."""
+    t = cuda.blockIdx.x
+    tok = choose(logits[t], weights[t], temperature_top_p[t, 0], temperature_top_p[t, 1], top_k_seed[t, 0],
+                 top_k_seed[t, 1], positions[t])
+    if cuda.threadIdx.x == 0:
+        tokens[t] = tok
+
+
+def sample_batch(logits, settings, positions, stream=0, rt=None) -> np.ndarray:
+    """The next token of each row of logits [T, V] float32 (on the device), row t drawn with settings[t] =
+    (temperature, top_k, top_p, seed) (None: off) for the token at positions[t]: sample_rows, then the T ids copied
+    to the host (int32; NO_TOKEN for a row with a NaN). The same tokens as `sample` row by row."""
+    T, V = logits.shape
+    if len(settings) != T or len(positions) != T:
+        raise ValueError(f"sample_batch: {T} rows of logits, {len(settings)} settings, {len(positions)} positions")
+    floats = np.array([(t, 1.0 if p is None else p) for t, _, p, _ in settings], np.float64)
+    ints = np.array([(0 if k is None else k, seed) for _, k, _, seed in settings], np.int64)
+    put = cuda.to_device if rt is None else rt.to_device
+    tokens = empty(T, np.int32, stream, rt)
+    launch(sample_rows, T, THREADS, stream, rt, logits, empty((T, V), np.uint64, stream, rt), put(floats), put(ints),
+           put(np.asarray(positions, np.int32)), tokens)
+    return tokens.copy_to_host(stream=stream if rt is None else rt.stream)
