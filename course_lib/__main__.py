@@ -107,8 +107,24 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _bench_model(name: str):
+    """The model `bench` measures: load_model(name), or for "random:NAME" random weights of the shapes of a known
+    config (SmolLM2-135M-Instruct, Llama-3.2-1B, Llama-3.1-8B; any case)."""
+    from . import load_model
+    from .model import config
+    from .model.tiny import random_model
+
+    if not name.lower().startswith("random:"):
+        return load_model(name)
+    known = {c.name.lower(): c for c in (config.SMOLLM2_135M, config.LLAMA_32_1B, config.LLAMA_31_8B)}
+    shapes = known.get(name.split(":", 1)[1].lower())
+    if shapes is None:
+        raise ValueError(f"{name!r}: random weights of which shapes? ({', '.join(c.name for c in known.values())})")
+    return random_model(shapes)
+
+
 def _bench(args) -> int:
-    from . import device, load_model
+    from . import device
 
     sizes = _batch_sizes(args.batch) if args.batch else None
     device.announce()
@@ -117,7 +133,7 @@ def _bench(args) -> int:
 
     from .measure.bench import bench_batch, format_batch, format_bench, run_bench
 
-    model = load_model(args.model)
+    model = _bench_model(args.model)
     if sizes:
         rows = bench_batch(model, sizes, args.context, args.steps, args.weights)
         print(format_batch(rows))
@@ -159,7 +175,9 @@ def main(argv=None) -> int:
     i.add_argument("--model", default="SmolLM2-135M-Instruct")
     i.set_defaults(run=_info)
     b = sub.add_parser("bench", help="decode speed on the GPU against the bandwidth bound")
-    b.add_argument("--model", default="SmolLM2-135M-Instruct")
+    b.add_argument("--model", default="SmolLM2-135M-Instruct",
+                   help="as for generate, or random:NAME for random weights of the shapes of SmolLM2-135M-Instruct, "
+                        "Llama-3.2-1B or Llama-3.1-8B")
     b.add_argument("--recipes", default="all", help=f"comma-separated, or all: {', '.join(RECIPES)}")
     b.add_argument("--weights", default="bf16", choices=["bf16", "f32"])
     b.add_argument("--context", type=int, default=64, help="prompt length before the timed decode steps")

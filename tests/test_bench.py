@@ -34,3 +34,18 @@ def test_bench_without_a_gpu_is_a_clear_error(capsys):
 def test_bench_batch_sizes_are_checked(capsys):
     assert cli.main(["bench", "--batch", "1,x,8"]) == 2
     assert "'x' is not a batch size" in capsys.readouterr().err
+
+
+def test_bench_random_weights_of_known_shapes():
+    """bench --model random:NAME: random weights of a known config's shapes (here SmolLM2's, cut to 2 layers to
+    stay small, through the same function); an unknown name is a clear error."""
+    import dataclasses
+
+    from course_lib.model.config import SMOLLM2_135M
+    from course_lib.model.tiny import random_model
+
+    model = random_model(dataclasses.replace(SMOLLM2_135M, n_layers=2))
+    assert model.weights.embed.shape == (49152, 576) and len(model.weights.layers) == 2
+    assert model.weights.layers[0].w_gate.shape == (576, 1536)
+    with pytest.raises(ValueError, match="Llama-3.2-1B"):
+        cli._bench_model("random:gpt-5")

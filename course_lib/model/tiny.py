@@ -69,3 +69,10 @@ def tiny_model(arch: str = "llama", tied: bool = True, seed: int = 0, **override
     QKV bias and an untied head."""
     config = tiny_config(arch, tied, **overrides)
     return Model(config, byte_tokenizer(), tiny_weights(config, seed), source=f"tiny({arch}, seed={seed})")
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> Model:
+    """A model of config's shapes (e.g. config.LLAMA_32_1B) with seeded random weights (`tiny_weights`) and the byte
+    tokenizer: speed measured at a real model's shapes without its weights (`bench --model random:NAME`); its
+    tokens mean nothing."""
+    return Model(config, byte_tokenizer(), tiny_weights(config, seed), source=f"random({config.name}, seed={seed})")
