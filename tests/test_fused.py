@@ -83,6 +83,24 @@ def test_gate_up_swiglu_equals_its_kernels(rng, shape, T, dtype):
     same_bits(got, want, "silu(gate) * up")
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("M,K,F", [(1, 40, 24), (19, 37, 40)] if SIMULATOR else [(1, 576, 1536), (200, 576, 1536),
+                                                                                 (77, 2048, 8192)])
+def test_tiled_swiglu_equals_its_kernels(rng, M, K, F, dtype):
+    """Both tiled strategies (gate then up in each block; the interleaved columns) give the bits of two tiled
+    matmuls and silu_mul, for a row alone and for partial tiles of rows and columns."""
+    from course_lib.kernels import matmul as mm
+
+    a = randn(rng, M, K)
+    w_gate, w_up = (stored(randn(rng, K, F, scale=K ** -0.5), dtype) for _ in range(2))
+    a_d, g_d, u_d = dev(a), dev(w_gate), dev(w_up)
+    want = ew.silu_mul(mm.matmul(a_d, g_d), mm.matmul(a_d, u_d)).copy_to_host()
+    two = fused.swiglu_two_passes(a_d, g_d, u_d, out=poisoned((M, F))).copy_to_host()
+    same_bits(two, want, "gate then up")
+    inter = fused.swiglu_interleaved(a_d, dev(fused.interleave_gate_up(w_gate, w_up)), out=poisoned((M, F)))
+    same_bits(inter.copy_to_host(), want, "interleaved")
+
+
 def test_interleave_gate_up():
     """Runs of PAIR columns, gate then up; the same for a bias (1-D)."""
     K, F, P = 3, 4 * fused.PAIR, fused.PAIR

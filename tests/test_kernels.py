@@ -607,6 +607,8 @@ for dtype in (np.float32, np.uint16):
         (f"transpose_tiled[{dt}]", matmul._TRANSPOSE[dt], f"void({w2}, {w2})"),
         (f"embedding_rows[{dt}]", elementwise._EMBEDDING[dt], f"void({w2}, {I1}, {F2})"),
         (f"rms_norm_rows[{dt}]", elementwise._RMS_NORM[dt], f"void({F2}, {w1}, float32, {F2})"),
+        (f"swiglu_tiled_two_passes[{dt}]", fused._TWO_PASSES[dt], f"void({F2}, {w2}, {w2}, {F2})"),
+        (f"swiglu_tiled_interleaved[{dt}]", fused._INTERLEAVED[dt], f"void({F2}, {w2}, {F2})"),
     ]
 for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one per (R, weight kind)
     for kind, w2 in (("f32", F2), ("bf16", "uint16[:, ::1]"), ("f32x8", "uint32[::1]"), ("bf16x8", "uint32[::1]")):

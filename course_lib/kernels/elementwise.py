@@ -137,9 +137,15 @@ def rope_pairs(x, cos, sin, positions):
 
 
 @cuda.jit(device=True)
+def silu(g):
+    """silu(g) = g / (1 + exp(-g))."""
+    return g / (float32(1) + float32(math.exp(-g)))
+
+
+@cuda.jit(device=True)
 def silu_times(g, u):
-    """silu(g) * u = g / (1 + exp(-g)) * u, SwiGLU's product (one copy: the fused gate/up kernel uses it too)."""
-    return g / (float32(1) + float32(math.exp(-g))) * u
+    """silu(g) * u, SwiGLU's product (one copy: the fused gate/up kernels use it too)."""
+    return silu(g) * u
 
 
 @cuda.jit

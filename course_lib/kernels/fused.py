@@ -13,6 +13,11 @@ epilogue in that last block, where the whole K-sum of its columns is known:
   side by side, in the same group, and writes only the product. It replaces a norm, two matmuls and SwiGLU's
   elementwise kernel, and the [T, 2 d_ff] intermediate never reaches memory.
 
+For a prefill's many rows, SwiGLU in the tiled matmul (the body of `matmul.tile_product`), the paper's two
+strategies: `swiglu_two_passes` (a block computes its gate tile, takes its SiLU in registers, then computes the up
+tile over the same rows and multiplies) and `swiglu_interleaved` (one tiled product over W_gu, whose 64 columns per
+block hold 32 gate columns and their up columns; the pairs meet in shared memory).
+
 The arithmetic of each output element is the unfused kernels' own, in the same order (`row_rms`, `sum_slices`,
 `rotated_first` / `rotated_second`, `silu_times`), and gate_up_swiglu splits K as the gate and up matmuls do: its
 outputs have the unfused kernels' bits. So do qkv_rope's when the three matmuls it replaces split K alike (SmolLM2:
@@ -24,9 +29,10 @@ import functools
 import numpy as np
 from numba import float32
 
-from course_lib.kernels import cuda, f32_weight
+from course_lib.kernels import cuda, empty, f32_weight, for_weight_dtypes, launch, pick
+from course_lib.kernels import matmul as mm
 from course_lib.kernels import narrow as nw
-from course_lib.kernels.elementwise import rotated_first, rotated_second, silu_times
+from course_lib.kernels.elementwise import rotated_first, rotated_second, silu, silu_times
 from course_lib.kernels.paged_attention import f32_to_bf16_bits
 
 PAIR = nw.VEC  # gate and up alternate in runs of PAIR columns in W_gu (one 16-byte load of a lane)
@@ -46,6 +52,12 @@ def interleave_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
 
 
 # ---- epilogues (device functions of the group index g and the buffers) ----
+
+@cuda.jit(device=True)
+def gate_column(j):
+    """The column of W_gu (interleave_gate_up) that holds gate column j; up column j is PAIR further."""
+    return (j // PAIR) * 2 * PAIR + j % PAIR
+
 
 @functools.cache
 def _rope_store_for(group, head_dim, bias_f32, store_kv):
@@ -100,7 +112,7 @@ def _swiglu_store_for(group, bias_f32):
         for e in range(cuda.threadIdx.x, rows * outs, cuda.blockDim.x):
             r, j = e // outs, g * outs + e % outs
             if j < F:
-                n = (j // PAIR) * 2 * PAIR + j % PAIR
+                n = gate_column(j)
                 out[r, j] = silu_times(column_total(partial, bias, r, n), column_total(partial, bias, r, n + PAIR))
 
     return swiglu_store
@@ -185,4 +197,95 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
     width = _width(N, w_gu, 2 * PAIR)
     nw.split_k_launches(lambda rows, kind, bias_kind: gate_up_kernel(rows, kind, bias_kind, norm is not None),
                         x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2)
+    return out
+
+
+# ---- SwiGLU in the tiled matmul (a prefill's many rows): the paper's two strategies ----
+
+MICRO, SIDE, TILE_M, TILE_N = mm.MICRO, mm.SIDE, mm.TILE_M, mm.TILE_N  # the tiled matmul's geometry (constants
+# of this module: Numba takes a module's own globals as compile-time constants, not another module's attributes)
+
+
+def _make_swiglu_two_passes(to_f32):
+    tile_product = mm.tile_product_for(to_f32)
+
+    @cuda.jit
+    def swiglu_tiled_two_passes(a, w_gate, w_up, out):
+        """out [M, F] = silu(a @ w_gate) * (a @ w_up), a block per 64 x 64 tile of out (the tiled matmul's,
+        `matmul.tile_product`): first the gate tile, its SiLU taken in registers, then the up tile over the same
+        rows of a (read again, from the L2 cache), and the product. Neither [M, F] intermediate reaches memory.
+        Grid (ceil(F / 64), ceil(M / 64)), block (16, 16)."""
+        gate = cuda.local.array((MICRO, MICRO), dtype=float32)
+        up = cuda.local.array((MICRO, MICRO), dtype=float32)
+        M, F = out.shape[0], out.shape[1]
+        row0, col0 = cuda.blockIdx.y * TILE_M, cuda.blockIdx.x * TILE_N
+        tile_product(a, w_gate, row0, col0, gate)
+        for i in range(MICRO):
+            for j in range(MICRO):
+                gate[i, j] = silu(gate[i, j])  # (issued before the up tile's loads, which do not wait for it)
+        tile_product(a, w_up, row0, col0, up)
+        for i in range(MICRO):
+            for j in range(MICRO):
+                r, col = row0 + cuda.threadIdx.y + SIDE * i, col0 + cuda.threadIdx.x + SIDE * j
+                if r < M and col < F:
+                    out[r, col] = gate[i, j] * up[i, j]  # silu_times(g, u), the same operations
+
+    return swiglu_tiled_two_passes
+
+
+def _make_swiglu_interleaved(to_f32):
+    tile_product = mm.tile_product_for(to_f32)
+    outs = TILE_N // 2  # output columns of a tile: its gate columns
+
+    @cuda.jit
+    def swiglu_tiled_interleaved(a, w_gu, out):
+        """out [M, F] = silu(gate) * up from one tiled product a @ W_gu (W_gu = interleave_gate_up(w_gate, w_up),
+        [K, 2F]): a block's 64 columns of W_gu are 32 gate columns and their up columns, so the tile, staged in
+        shared memory, holds every pair its 64 x 32 outputs need. Grid (ceil(2F / 64), ceil(M / 64)), block
+        (16, 16)."""
+        acc = cuda.local.array((MICRO, MICRO), dtype=float32)
+        tile = cuda.shared.array((TILE_M, TILE_N), dtype=float32)
+        M, F = out.shape[0], out.shape[1]
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        row0, col0 = cuda.blockIdx.y * TILE_M, cuda.blockIdx.x * TILE_N
+        tile_product(a, w_gu, row0, col0, acc)
+        for i in range(MICRO):
+            for j in range(MICRO):
+                tile[ty + SIDE * i, tx + SIDE * j] = acc[i, j]
+        cuda.syncthreads()
+        for e in range(ty * SIDE + tx, TILE_M * outs, SIDE * SIDE):
+            r, f = e // outs, e % outs
+            n = gate_column(f)
+            if row0 + r < M and col0 // 2 + f < F:
+                out[row0 + r, col0 // 2 + f] = silu_times(tile[r, n], tile[r, n + PAIR])
+
+    return swiglu_tiled_interleaved
+
+
+_TWO_PASSES = for_weight_dtypes(_make_swiglu_two_passes)
+_INTERLEAVED = for_weight_dtypes(_make_swiglu_interleaved)
+
+
+def swiglu_two_passes(a, w_gate, w_up, out=None, stream=0, rt=None):
+    """a [M, K] float32, w_gate and w_up [K, F] float32 or bf16 (uint16) -> out [M, F] = silu(a @ w_gate) *
+    (a @ w_up), in one tiled kernel (gate then up in each block): the bits of matmul, matmul, silu_mul."""
+    (M, K), F = a.shape, w_gate.shape[1]
+    if w_gate.shape != (K, F) or w_up.shape != (K, F) or w_up.dtype != w_gate.dtype:
+        raise ValueError(f"swiglu_two_passes: a {a.shape}, w_gate {w_gate.shape}, w_up {w_up.shape} {w_up.dtype}")
+    out = empty((M, F), np.float32, stream, rt) if out is None else out
+    launch(pick(_TWO_PASSES, w_gate), (-(-F // TILE_N), -(-M // TILE_M)), (SIDE, SIDE), stream, rt, a,
+           w_gate, w_up, out)
+    return out
+
+
+def swiglu_interleaved(a, w_gu, out=None, stream=0, rt=None):
+    """a [M, K] float32, w_gu [K, 2F] = interleave_gate_up(w_gate, w_up) float32 or bf16 (uint16) -> out [M, F] =
+    silu(a @ w_gate) * (a @ w_up), in one tiled kernel over the interleaved columns: the bits of matmul, matmul,
+    silu_mul."""
+    (M, K), N = a.shape, w_gu.shape[1]
+    if w_gu.shape[0] != K or N % (2 * PAIR):
+        raise ValueError(f"swiglu_interleaved: a {a.shape}, w_gu {w_gu.shape} (2F a multiple of {2 * PAIR})")
+    out = empty((M, N // 2), np.float32, stream, rt) if out is None else out
+    launch(pick(_INTERLEAVED, w_gu), (-(-N // TILE_N), -(-M // TILE_M)), (SIDE, SIDE), stream, rt, a,
+           w_gu, out)
     return out

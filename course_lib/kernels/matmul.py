@@ -7,6 +7,8 @@ B in shared memory, and each thread accumulates a 4 x 4 micro-tile: rows ty + 16
 Good at large M; at M = 1 (decoding one token) it launches N / 64 blocks that each use 1 row of 64.
 """
 
+import functools
+
 import numpy as np
 from numba import float32, uint16
 
@@ -23,17 +25,20 @@ T_ROWS = sized(8, 2)  # transpose: a block of T_TILE x T_ROWS threads, 4 rows ea
 T_PITCH = T_TILE + 1  # shared tile row length: the extra column avoids bank conflicts
 
 
-def _make_matmul(to_f32):
-    @cuda.jit
-    def matmul_tiled(a, b, c):
-        """c[M, N] = a[M, K] @ b[K, N]; grid (ceil(N / 64), ceil(M / 64)), block (16, 16)."""
+@functools.cache
+def tile_product_for(to_f32):
+    """The device function tile_product(a, b, row0, col0, acc) of the weights read by to_f32: the body of the
+    tiled matmul, shared with the fused SwiGLU kernels (kernels/fused.py), so that each sums in the same order."""
+
+    @cuda.jit(device=True)
+    def tile_product(a, b, row0, col0, acc):
+        """acc[i, j] = a[row0 + ty + 16 i, :] . b[:, col0 + tx + 16 j] for i, j < 4 (the block's 64 x 64 tile of
+        a [M, K] @ b [K, N] from (row0, col0); zeros staged outside a and b). Every thread of the block calls."""
         a_tile = cuda.shared.array((TILE_K, TILE_M), dtype=float32)  # a_tile[k, m]: A's slice, transposed
         b_tile = cuda.shared.array((TILE_K, TILE_N), dtype=float32)  # b_tile[k, n]
-        acc = cuda.local.array((MICRO, MICRO), dtype=float32)
         M, K, N = a.shape[0], a.shape[1], b.shape[1]
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         tid = ty * SIDE + tx
-        row0, col0 = cuda.blockIdx.y * TILE_M, cuda.blockIdx.x * TILE_N
         for i in range(MICRO):
             for j in range(MICRO):
                 acc[i, j] = float32(0)
@@ -53,9 +58,23 @@ def _make_matmul(to_f32):
                     for j in range(MICRO):
                         acc[i, j] += a_ik * b_tile[k, tx + SIDE * j]
             cuda.syncthreads()
+
+    return tile_product
+
+
+def _make_matmul(to_f32):
+    tile_product = tile_product_for(to_f32)
+
+    @cuda.jit
+    def matmul_tiled(a, b, c):
+        """c[M, N] = a[M, K] @ b[K, N]; grid (ceil(N / 64), ceil(M / 64)), block (16, 16)."""
+        acc = cuda.local.array((MICRO, MICRO), dtype=float32)
+        M, N = a.shape[0], b.shape[1]
+        row0, col0 = cuda.blockIdx.y * TILE_M, cuda.blockIdx.x * TILE_N
+        tile_product(a, b, row0, col0, acc)
         for i in range(MICRO):
             for j in range(MICRO):
-                r, col = row0 + ty + SIDE * i, col0 + tx + SIDE * j
+                r, col = row0 + cuda.threadIdx.y + SIDE * i, col0 + cuda.threadIdx.x + SIDE * j
                 if r < M and col < N:
                     c[r, col] = acc[i, j]
 
