@@ -204,6 +204,58 @@ def matmul_bandwidth(shapes: list[tuple[int, int]], weights: str = "bf16", rows:
     return out
 
 
+def _swiglu_variants(x, d_ff: int) -> dict:
+    """{name: run(w, stream)} of SwiGLU's projections for the rows x [M, d] (see swiglu_times), w = (w_gate, w_up,
+    w_gu), into buffers allocated here once (nothing is allocated while a graph is captured)."""
+    from ..kernels import elementwise as k_elt
+    from ..kernels import fused as k_fused
+    from ..kernels import matmul as k_matmul
+    from ..kernels import narrow as k_narrow
+
+    gate, up, act = (cuda.device_array((x.shape[0], d_ff), np.float32) for _ in range(3))
+
+    def narrow(w, stream):
+        k_narrow.matmul_narrow(x, w[0], out=gate, stream=stream)
+        k_narrow.matmul_narrow(x, w[1], out=up, stream=stream)
+        k_elt.silu_mul(gate, up, out=act, stream=stream)
+
+    def tiled(w, stream):
+        k_matmul.matmul(x, w[0], gate, stream)
+        k_matmul.matmul(x, w[1], up, stream)
+        k_elt.silu_mul(gate, up, out=act, stream=stream)
+
+    variants = {"tiled": tiled,
+                "two passes": lambda w, stream: k_fused.swiglu_two_passes(x, w[0], w[1], act, stream),
+                "interleaved": lambda w, stream: k_fused.swiglu_interleaved(x, w[2], act, stream)}
+    if x.shape[0] > k_narrow.MAX_ROWS:
+        return variants
+    return {"narrow": narrow,
+            "narrow fused": lambda w, stream: k_fused.gate_up_swiglu(x, w[2], None, act, stream=stream)} | variants
+
+
+def swiglu_times(d: int, d_ff: int, rows: list[int], weights: str = "bf16", repeats: int = 20) -> list[dict]:
+    """Microseconds of GPU time per call of SwiGLU's projections, silu(x @ w_gate) * (x @ w_up) for x [M, d], at each
+    M of `rows`, graph-timed (_gb_per_s), unfused against fused: for M <= 16 the narrow split-K matmuls ("narrow":
+    two matmuls and silu_mul; "narrow fused": one kernel on the interleaved columns, kernels.fused.gate_up_swiglu),
+    and at every M the tiled ones ("tiled": two matmuls and silu_mul; "two passes" and "interleaved": the paper's two
+    strategies, kernels.fused). -> [{"M": M, variant: us, ...}]."""
+    from ..kernels.fused import interleave_gate_up
+    from ..model.safetensors_io import f32_to_bf16
+
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((d, d_ff), dtype=np.float32) / np.float32(np.sqrt(d)) for _ in range(2)]
+    host = [f32_to_bf16(w) if weights == "bf16" else w for w in host]
+    nbytes = 2 * host[0].nbytes
+    copies = [(cuda.to_device(host[0]), cuda.to_device(host[1]), cuda.to_device(interleave_gate_up(*host)))
+              for _ in range(_copies(nbytes))]
+    out = []
+    for M in rows:
+        x = cuda.to_device(rng.standard_normal((M, d), dtype=np.float32))
+        out.append({"M": M} | {name: 1e6 * nbytes / (1e9 * _gb_per_s(run, copies, nbytes, repeats, graph=True))
+                               for name, run in _swiglu_variants(x, d_ff).items()})
+    return out
+
+
 def attention_bandwidth(config, lengths: list[int], repeats: int = 30, graph: bool = False) -> list[dict]:
     """GB/s of keys and values read by one decode step's attention (one query, float32 cache, GPU time, see
     _gb_per_s: kernels launched one by one, or replayed in a CUDA graph with graph=True), at each context
