@@ -45,7 +45,7 @@ def test_70b_decoding_at_batch_32_is_memory_bound():
     assert cache == pytest.approx(86e9, rel=0.01)
     assert cost.bytes - cache == pytest.approx(139e9, rel=0.01)
     matmuls = 2 * acc.matmul_params(LLAMA_70B) * 32
-    assert matmuls / cost.bytes == pytest.approx(20, rel=0.01)
+    assert matmuls / cost.bytes == pytest.approx(19.8, rel=0.01)  # the chapter: "about 20"
     assert 20 < cost.intensity < 25 < 296
 
 
