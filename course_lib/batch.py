@@ -257,7 +257,7 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
                    top_k: int | None = None, top_p: float | None = None, seed: int | list[int] | None = None,
                    chat: bool = False, backend="auto", stop: bool = True, pages: int | None = None,
                    max_running: int = 64, on_finish: Callable[[int, Generation], None] | None = None,
-                   ) -> list[Generation]:
+                   on_step: Callable[[list[int]], None] | None = None) -> list[Generation]:
     """One Generation per prompt (a text, or a list of token ids), in the order of `prompts`.
 
     The arguments are those of course_lib.generate; seed: one for every sequence (each then gives what
@@ -265,9 +265,10 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
     without a GPU), "numpy" or "cuda". pages: pages of 16 positions in the cache shared by the sequences (default:
     enough for the max_running longest requests to run together); max_running: sequences decoded together at
     most.
-    on_finish(index, generation) is called as each sequence ends. Bad prompts (empty, out-of-range ids, longer
-    than the context or than the whole cache with max_new_tokens) are reported together, each by its index,
-    before anything runs."""
+    on_finish(index, generation) is called as each sequence ends; on_step(indices) before each decode step, with
+    the indices of the sequences it decodes (the scheduler's running set, as a timeline draws it). Bad prompts
+    (empty, out-of-range ids, longer than the context or than the whole cache with max_new_tokens) are reported
+    together, each by its index, before anything runs."""
     check_request(max_new_tokens, temperature, top_k, top_p, None)
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
@@ -301,10 +302,10 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
         runner, name = CudaBatch(model, pages, c.max_seq_len), "cuda (fused step, continuous batching)"
     else:
         runner, name = NumpyBatch(model, pages, c.max_seq_len), "numpy (continuous batching)"
-    return _continuous(model, seqs, runner, name, max_running, on_finish)
+    return _continuous(model, seqs, runner, name, max_running, on_finish, on_step)
 
 
-def _continuous(model, seqs, runner, name, max_running, on_finish) -> list[Generation]:
+def _continuous(model, seqs, runner, name, max_running, on_finish, on_step) -> list[Generation]:
     """The scheduler's loop: admit and prefill, one decode step for all, finish, repeat."""
     scheduler = Scheduler(runner.cache, max_running)
     scheduler.waiting.extend(seqs)
@@ -330,6 +331,8 @@ def _continuous(model, seqs, runner, name, max_running, on_finish) -> list[Gener
             continue
         scheduler.make_room()
         running = list(scheduler.running)
+        if on_step is not None:
+            on_step([seq.index for seq in running])
         for seq, token in zip(running, runner.decode(running), strict=True):
             seq.take(token, time.perf_counter())
         for seq in [s for s in scheduler.running if s.stop_reason]:

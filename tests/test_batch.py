@@ -119,6 +119,19 @@ def test_scheduler_admits_by_free_pages_and_gives_them_back(tiny):
     assert cache.free_pages == 4 and scheduler.admit() == seqs[1:]  # 3 + 1 pages
 
 
+def test_each_step_reports_the_sequences_it_decodes(tiny):
+    """on_step: the running set of each decode step. With one running at a time, every sequence runs alone, in
+    order, for max_new_tokens - 1 steps (its first token comes from its prefill); with room for all, they run
+    together until they end."""
+    steps = []
+    generate_batch(tiny, PROMPTS[:3], backend="numpy", max_new_tokens=3, stop=False, max_running=1,
+                   on_step=steps.append)
+    assert steps == [[0], [0], [1], [1], [2], [2]]
+    steps.clear()
+    generate_batch(tiny, PROMPTS[:3], backend="numpy", max_new_tokens=3, stop=False, on_step=steps.append)
+    assert steps == [[0, 1, 2], [0, 1, 2]]
+
+
 def _prefilled(cache, seq):
     """seq given its pages, as the prefill takes them."""
     seq.kv = PagedSequence(cache, seq.index, 64)
