@@ -626,6 +626,14 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
                          f"{F2})"))
             jobs.append((f"gate_up_swiglu[{kind}, R={rows}]", fused.gate_up_kernel(rows, kind, "f32", True),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+        if rows == narrow.KERNEL_ROWS and kind == "bf16x8":  # chunked: any multiple of KERNEL_ROWS rows
+            jobs.append(("split_k_add[chunked]", narrow.kernel_for("split_k", kind, rows, "f32", True, chunked=True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+            jobs.append(("qkv_rope[chunked]", fused.qkv_rope_kernel(rows, kind, "f32", True, np.float32, 64, True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, {F3}, {F3}, {I1}, {I1}, "
+                         f"{F2})"))
+            jobs.append(("gate_up_swiglu[chunked]", fused.gate_up_kernel(rows, kind, "f32", True, True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
                      f"void({F2}, {F1}, float32, {a2}, {w2}, {F2})" if kind.endswith("x8")
@@ -722,7 +730,7 @@ def linear_case(rng, M, K, N, dtype, bias_dtype):
 @pytest.mark.parametrize("bias_dtype", [None, "f32", "bf16"])
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("N", [72, 71])  # 72: 16-byte loads of 8 columns per lane; 71: one element per load
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 6, 16])
 def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     K = 200
     a, b, bias, want, tol = linear_case(rng, M, K, N, dtype, bias_dtype)
@@ -731,24 +739,24 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     check(got.copy_to_host(), want, tol)
     [(slices, rows, cols)] = set(rt.partials)  # the partial sums, shared by the launches
     assert rt.allocations == 0  # out was given; the partial sums are a view of a buffer kept between calls
-    assert (rows, cols) == (min(M, nw.KERNEL_ROWS), N) and slices >= 2 and K % slices != 0  # K not a multiple
-    launches = -(-M // nw.KERNEL_ROWS)  # KERNEL_ROWS rows per launch; the bias inside
+    whole = M - M % nw.KERNEL_ROWS if M > nw.KERNEL_ROWS else 0  # rows of the chunked launch; then the rest
+    assert (rows, cols) == (max(whole, M - whole), N) and slices >= 2 and K % slices != 0  # K not a multiple
+    launches = (whole > 0) + (whole < M)  # the bias inside
     assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"] * launches
 
 
-def test_matmul_narrow_deterministic(rng, monkeypatch):
+def test_matmul_narrow_deterministic(rng):
     """Fixed summation order (no atomics): two runs agree bit for bit, and a row's result does not depend on the
-    other rows (one token alone or inside a prompt gets the same bits), here across two launches of rows (4 rows
-    per launch, as on a GPU)."""
-    monkeypatch.setattr(nw, "KERNEL_ROWS", 4)
-    M = nw.KERNEL_ROWS + 2
+    other rows (one token alone or inside a prompt gets the same bits), here across a chunked launch (two groups of
+    KERNEL_ROWS rows summed one after the other by each block) and a launch of the row left."""
+    M = 2 * nw.KERNEL_ROWS + 1
     a, b, bias, want, tol = linear_case(rng, M, 200, 72, "bf16", "f32")
     a_dev, b_dev, bias_dev = dev(a), dev(b), dev(bias)
     first = nw.matmul_narrow(a_dev, b_dev, bias_dev).copy_to_host()
     second = nw.matmul_narrow(a_dev, b_dev, bias_dev, out=poisoned((M, 72))).copy_to_host()
     check(first, want, tol)
     np.testing.assert_array_equal(first.view(np.uint32), second.view(np.uint32))
-    for r in (1, M - 1):
+    for r in (1, nw.KERNEL_ROWS + 1, M - 1):
         alone = nw.matmul_narrow(dev(a[r:r + 1]), b_dev, bias_dev, out=poisoned((1, 72))).copy_to_host()
         np.testing.assert_array_equal(first[r:r + 1].view(np.uint32), alone.view(np.uint32))
 

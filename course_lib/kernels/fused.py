@@ -66,35 +66,47 @@ def _rope_store_for(group, head_dim, bias_f32, store_kv):
     column_total = nw.column_total_for(bias_f32)
 
     @cuda.jit(device=True)
-    def rope_store(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
-        """Columns of group g of [q | k | v] (partial [S, R, N], N = (H + 2 Hkv) hd): summed over the slices
-        (+ bias), then the q and k heads rotated by RoPE at positions[r], q written to q [R, H hd], k and v to
-        row slots[r] of k_table, v_table [rows, Hkv, hd] (stored by store_kv; a slot < 0 is skipped)."""
-        tile = cuda.shared.array((tile_rows, group), dtype=float32)
-        rows, N = q.shape[0], partial.shape[2]  # the launch's rows (partial may have more)
+    def rope_rows(g, r0, count, tile, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
+        """rope_store for the rows r0 .. r0 + count - 1 (count <= KERNEL_ROWS), through the shared tile."""
+        N = partial.shape[2]
         n_q, n_kv = q.shape[1], k_table.shape[1] * k_table.shape[2]
-        for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
-            r, c = e // group, e % group
+        for e in range(cuda.threadIdx.x, count * group, cuda.blockDim.x):
+            t, c = e // group, e % group
             if g * group + c < N:
-                tile[r, c] = column_total(partial, bias, r, g * group + c)
+                tile[t, c] = column_total(partial, bias, r0 + t, g * group + c)
         cuda.syncthreads()
-        for e in range(cuda.threadIdx.x, rows * group, cuda.blockDim.x):
-            r, c = e // group, e % group
-            n = g * group + c
+        for e in range(cuda.threadIdx.x, count * group, cuda.blockDim.x):
+            t, c = e // group, e % group
+            r, n = r0 + t, g * group + c
             if n < N:
-                y = tile[r, c]
+                y = tile[t, c]
                 if n < n_q + n_kv:  # a q or k head: rotate the pair (i, i + half) of its head
                     i, p = n % head_dim, positions[r]
                     if i < half:
-                        y = rotated_first(y, tile[r, c + half], cos[p, i], sin[p, i])
+                        y = rotated_first(y, tile[t, c + half], cos[p, i], sin[p, i])
                     else:
-                        y = rotated_second(tile[r, c - half], y, cos[p, i - half], sin[p, i - half])
+                        y = rotated_second(tile[t, c - half], y, cos[p, i - half], sin[p, i - half])
                 if n < n_q:
                     q[r, n] = y
                 elif slots[r] >= 0:
                     j = (n - n_q) % n_kv
                     table = k_table if n < n_q + n_kv else v_table
                     table[slots[r], j // head_dim, j % head_dim] = store_kv(y)
+
+    @cuda.jit(device=True)
+    def rope_store(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
+        """Columns of group g of [q | k | v] (partial [S, R, N], N = (H + 2 Hkv) hd): summed over the slices
+        (+ bias), then the q and k heads rotated by RoPE at positions[r], q written to q [R, H hd], k and v to
+        row slots[r] of k_table, v_table [rows, Hkv, hd] (stored by store_kv; a slot < 0 is skipped). The rows
+        go through a shared tile KERNEL_ROWS at a time (a RoPE pair, i and i + hd / 2, lies in one head, and a
+        group holds whole heads)."""
+        tile = cuda.shared.array((tile_rows, group), dtype=float32)
+        rows = q.shape[0]  # the launch's rows (partial may have more)
+        for r0 in range(0, rows, tile_rows):
+            if r0 > 0:
+                cuda.syncthreads()  # every thread is done with the previous rows' tile
+            rope_rows(g, r0, min(rows, r0 + tile_rows) - r0, tile, partial, bias, cos, sin, k_table, v_table,
+                      positions, slots, q)
 
     return rope_store
 
@@ -121,9 +133,9 @@ def _swiglu_store_for(group, bias_f32):
 # ---- kernels: split_k_block then an epilogue, one kernel per (rows, weight kind, ...) ----
 
 @functools.cache
-def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim):
+def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False):
     width, load = nw.SPLIT_K_LOADS[kind]
-    block = nw.split_k_block_for(rows, width, load, normed)
+    block = nw.split_k_block_for(rows, width, load, normed, chunked)
     store_kv = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}[np.dtype(kv_dtype)]
     epilogue = _rope_store_for(32 * width, head_dim, nw.BIAS_READERS[bias], store_kv)
 
@@ -139,9 +151,9 @@ def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim):
 
 
 @functools.cache
-def gate_up_kernel(rows, kind, bias, normed):
+def gate_up_kernel(rows, kind, bias, normed, chunked=False):
     width, load = nw.SPLIT_K_LOADS[kind]
-    block = nw.split_k_block_for(rows, width, load, normed)
+    block = nw.split_k_block_for(rows, width, load, normed, chunked)
     epilogue = _swiglu_store_for(32 * width, nw.BIAS_READERS[bias])
 
     def gate_up_swiglu_split_k(a, gamma, eps, b, bias, partial, done, out):
@@ -181,8 +193,8 @@ def qkv_rope(x, w_qkv, bias, norm, cos, sin, positions, slots, q, k_table, v_tab
         raise ValueError(f"qkv_rope: x {x.shape}, w_qkv {w_qkv.shape}, q {q.shape}, k_table {k_table.shape}, "
                          f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}")
     width = _width(N, w_qkv, hd)
-    nw.split_k_launches(lambda rows, kind, bias_kind: qkv_rope_kernel(rows, kind, bias_kind, norm is not None,
-                                                                      np.dtype(k_table.dtype), hd),
+    nw.split_k_launches(lambda rows, kind, bias_kind, chunked: qkv_rope_kernel(
+                            rows, kind, bias_kind, norm is not None, np.dtype(k_table.dtype), hd, chunked),
                         x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width)
     return q
 
@@ -195,7 +207,8 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
     if w_gu.shape[0] != x.shape[1] or out.shape != (T, N // 2) or N % (2 * PAIR):
         raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
     width = _width(N, w_gu, 2 * PAIR)
-    nw.split_k_launches(lambda rows, kind, bias_kind: gate_up_kernel(rows, kind, bias_kind, norm is not None),
+    nw.split_k_launches(lambda rows, kind, bias_kind, chunked: gate_up_kernel(rows, kind, bias_kind, norm is not None,
+                                                                               chunked),
                         x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2)
     return out
 
