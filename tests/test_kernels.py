@@ -761,9 +761,22 @@ def test_matmul_narrow_deterministic(rng):
         np.testing.assert_array_equal(first[r:r + 1].view(np.uint32), alone.view(np.uint32))
 
 
+def test_matmul_narrow_many_rows(rng):
+    """More rows than a chunked launch takes (LAUNCH_ROWS): launches of LAUNCH_ROWS rows, then a multiple of
+    KERNEL_ROWS, then the rest; every row within the float32 tolerance, and the last one bit for bit as alone."""
+    M = nw.LAUNCH_ROWS + nw.KERNEL_ROWS + 2
+    a, b, bias, want, tol = linear_case(rng, M, 40, 24, "bf16", "f32")
+    rt = _RecordingRuntime()
+    got = nw.matmul_narrow(dev(a), dev(b), dev(bias), out=poisoned((M, 24)), rt=rt).copy_to_host()
+    check(got, want, tol)
+    assert len(rt.launched) == 3 and {rows for _, rows, _ in rt.partials} == {nw.LAUNCH_ROWS}
+    alone = nw.matmul_narrow(dev(a[-1:]), dev(b), dev(bias)).copy_to_host()
+    np.testing.assert_array_equal(got[-1:].view(np.uint32), alone.view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("N", [72, 71])
-@pytest.mark.parametrize("M", [1, 6])  # 6: two launches of 4 rows on a GPU, one in the simulator
+@pytest.mark.parametrize("M", [1, 6])  # 6: a chunked launch of 4 rows and one of 2
 def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype):
     """out += a @ b in the reduction (the fused residual) gives the bits of the matmul then the add kernel."""
     a, b, _, want, tol = linear_case(rng, M, 200, N, dtype, None)
@@ -780,7 +793,7 @@ def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype
 
 
 def test_matmul_narrow_rejects(rng):
-    a, b = dev(randn(rng, 17, 8)), dev(randn(rng, 8, 5))
+    a, b = dev(np.zeros((0, 8), np.float32)), dev(randn(rng, 8, 5))  # no rows (any number >= 1 is taken)
     with pytest.raises(ValueError, match="rows"):
         nw.matmul_narrow(a, b)
     with pytest.raises(ValueError):

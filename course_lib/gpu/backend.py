@@ -272,7 +272,8 @@ class CudaBackend:
         return h, None
 
     def _by_rows(self, rt, f, x, n_out, name, out=None):
-        """f(x, out) for a kernel of at most MAX_ROWS rows, into `out` or else the buffer `name` [rows, n_out]:
+        """f(x, out) for a kernel of at most MAX_ROWS rows (the transposed logits), into `out` or else the buffer
+        `name` [rows, n_out]:
         called once when x has that many rows or fewer, else on slices of MAX_ROWS rows of x and of the output (a
         row gets the same bits either way)."""
         step = k_narrow.MAX_ROWS
@@ -288,24 +289,21 @@ class CudaBackend:
         """x + a @ weight, the residual stream [T, d_model] updated in place: by the narrow matmul's reduction when
         the residual is fused (one kernel), else a matmul into the buffer `name` then an add kernel."""
         if self.ops["residual"] == "fused":
-            return self._by_rows(rt, lambda rows, out: k_narrow.matmul_narrow(rows, weight, out=out, rt=rt,
-                                                                              accumulate=True), a, weight.shape[1],
-                                 name, out=x)
+            return k_narrow.matmul_narrow(a, weight, out=x, rt=rt, accumulate=True)
         return k_elt.add(x, self._linear(rt, a, weight, name=name), out=rt.empty(x.shape, name="x"), rt=rt)
 
     def _linear(self, rt, x, weight, bias=None, name=None, norm=None):
         """x [T, K] @ weight + bias into the buffer `name`, with the chosen matmul; the bias in its own kernel
         unless fused; norm = (gamma, eps): x normalized by the matmul itself (the paged step's split-K kernel only).
-        With the paged cache, the narrow matmul takes the rows 16 at a time even in a long prefill (not the tiled
-        kernel): a token's result is then the same bits whether it comes alone or inside a prompt (see notebook
-        03)."""
+        With the paged cache, the narrow matmul takes every row even in a long prefill (not the tiled kernel): a
+        token's result is then the same bits whether it comes alone, inside a prompt or inside a batch (see
+        notebook 03)."""
         fused = self.ops["bias"] == "fused"
         if norm is not None and not (self.ops["matmul"] == "narrow" and self.paged):
             raise ValueError("a norm inside the matmul needs the paged step's split-K matmul")
         if self.ops["matmul"] == "narrow" and self.paged:
-            y = self._by_rows(rt, lambda rows, out: k_narrow.matmul_narrow(rows, weight, bias if fused else None, out,
-                                                                           rt=rt, norm=norm), x, weight.shape[1],
-                              name)
+            y = k_narrow.matmul_narrow(x, weight, bias if fused else None, rt.empty((x.shape[0], weight.shape[1]),
+                                                                                    name=name), rt=rt, norm=norm)
         elif self.ops["matmul"] == "narrow":
             y = k_narrow.linear(x, weight, bias if fused else None, out=rt.empty((x.shape[0], weight.shape[1]),
                                                                                  name=name), rt=rt)

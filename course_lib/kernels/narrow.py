@@ -19,11 +19,11 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel 
   The atomic only elects a block: the sums are always added in the same order, so the result is the same bit
   for bit from run to run, whichever block comes last. The bias is added there, for free (no bias kernel).
 A block sums at most KERNEL_ROWS rows at once (R x 8 running sums per thread: 16 rows would need more registers
-than 16 warps can have); a launch of more rows has each block sum them KERNEL_ROWS at a time (its slice of the
-weights comes from memory for the first rows, from the cache for the next), and the rows left over past a multiple
-of KERNEL_ROWS get a launch of their own. A row's result therefore does not depend on R (the slices depend only on
-K and N, and each row is summed in the same order by the same geometry): one token alone, inside a prompt or
-inside a batch gets the same bits.
+than 16 warps can have); a launch of more rows (up to LAUNCH_ROWS) has each block sum them KERNEL_ROWS at a time
+(its slice of the weights comes from memory for the first rows, from the cache for the next), and the rows left
+over past a multiple of KERNEL_ROWS get a launch of their own. A row's result therefore does not depend on R (the
+slices depend only on K and N, and each row is summed in the same order by the same geometry): one token alone,
+inside a prompt or inside a batch gets the same bits.
 
 Transposed matmul, out[R, N] = a[R, K] @ b[N, K].T without copying b (tied-embedding logits: b is the [vocab, d]
 embedding table), in one kernel, `matmul_transposed_vec`: a team of 8 lanes per row n of b (a warp takes 4 rows
@@ -62,10 +62,12 @@ from course_lib.kernels import matmul as mm
 from course_lib.kernels.elementwise import row_rms, segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
-MAX_ROWS = 16  # largest R: more rows go to the tiled matmul (see `linear`)
+MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
 KERNEL_ROWS = 4  # rows a split-K block sums at once: more would not fit the registers of 16 warps (65,536 per SM);
 # a launch of more rows sums them KERNEL_ROWS at a time (chunked)
+LAUNCH_ROWS = 64  # rows of a chunked launch at most (a multiple of KERNEL_ROWS): a batch of 64 sequences in one
+# launch per projection, and the partial sums of a long prefill bounded ([S, 64, N])
 THREADS = 32 * WARPS
 # at most 65,536 / THREADS = 128 registers per thread, or a block of 16 warps cannot launch (the fused epilogues
 # need more otherwise): a launch bound tells the compiler
@@ -467,13 +469,14 @@ def _transposed_blocks(n: int, per_block: int) -> int:
 
 def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool = False, norm=None):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
-    for 1 <= R <= MAX_ROWS: one split-K kernel per KERNEL_ROWS rows, through the partial sums [S, rows, N] of
-    `partial_sums` (see the top). accumulate: out += the product (out required: the residual stream), in the
-    reduction that writes it, without an add kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the
-    norm computed by the matmul's blocks (the same bits as rms_norm then the matmul)."""
+    for any R >= 1 (made for R <= MAX_ROWS: many more rows are the tiled matmul's work, see `linear`): split-K
+    launches (split_k_launches) through the partial sums [S, rows, N] of `partial_sums` (see the top). accumulate:
+    out += the product (out required: the residual stream), in the reduction that writes it, without an add
+    kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the norm computed by the matmul's blocks (the
+    same bits as rms_norm then the matmul)."""
     (R, K), (K2, N) = a.shape, b.shape
-    if not 1 <= R <= MAX_ROWS:
-        raise ValueError(f"matmul_narrow: a has {R} rows, expected 1 to {MAX_ROWS} (use linear)")
+    if R < 1:
+        raise ValueError(f"matmul_narrow: a has {R} rows")
     if K != K2 or (bias is not None and bias.shape != (N,)):
         raise ValueError(f"matmul_narrow: a is {a.shape}, b is {b.shape}, bias {None if bias is None else bias.shape}")
     if out is not None and out.shape != (R, N):
@@ -490,19 +493,24 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
     scratch): kernel_of(rows, weight kind, bias kind, chunked)[grid, THREADS](a[part], gamma, eps, weights, bias,
-    partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else one chunked
-    launch of the largest multiple of KERNEL_ROWS (each block sums its slice KERNEL_ROWS rows at a time), and one
-    of the rows left. width: 1 or VEC columns per lane, or None for VEC when N % VEC == 0 and b is 16-byte aligned.
-    slices_of: the column count whose split_k sets the slices (N by default; a fused kernel takes the slices of a
-    matmul it replaces, and so its sums). See matmul_narrow for bias and norm."""
+    partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else chunked
+    launches of up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS (each block sums its slice KERNEL_ROWS rows at a
+    time), and one of the rows left. width: 1 or VEC columns per lane, or None for VEC when N % VEC == 0 and b is
+    16-byte aligned. slices_of: the column count whose split_k sets the slices (N by default; a fused kernel takes
+    the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias and norm."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
     kind = weight_kind(b, vector=width == VEC)
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
-    whole = R - R % KERNEL_ROWS if R > KERNEL_ROWS else 0  # the rows of the chunked launch
-    parts = ([(0, whole)] if whole else []) + ([(whole, R)] if whole < R else [])
+    parts, lo = [], 0  # chunked launches of at most LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, then the rest
+    while R - lo > KERNEL_ROWS:
+        n = min(R - lo, LAUNCH_ROWS)
+        parts.append((lo, lo + n - n % KERNEL_ROWS))
+        lo = parts[-1][1]
+    if lo < R:
+        parts.append((lo, R))
     shape = (slices, max(hi - lo for lo, hi in parts), N)
     partial, done = ((partial_sums(shape), completion_counters(groups)) if rt is None
                      else rt.split_k_scratch(shape, groups))
