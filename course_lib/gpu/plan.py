@@ -106,8 +106,9 @@ class StepPlan:
             self._send(self.page_table, table)
             self._table_sent = table
         self._send(self.inputs, [0, position, -1])
-        self._send(self.temperature_top_p, [temperature, 1.0 if top_p is None else top_p])
-        self._send(self.top_k_seed, [0 if top_k is None else top_k, seed])
+        floats, ints = k_sampling.device_settings(temperature, top_k, top_p, seed)
+        self._send(self.temperature_top_p, floats)
+        self._send(self.top_k_seed, ints)
         self.history[:] = k_sampling.NO_TOKEN
 
     def sample(self, logits):

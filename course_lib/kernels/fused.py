@@ -230,7 +230,6 @@ def _make_swiglu_two_passes(to_f32):
         Grid (ceil(F / 64), ceil(M / 64)), block (16, 16)."""
         gate = cuda.local.array((MICRO, MICRO), dtype=float32)
         up = cuda.local.array((MICRO, MICRO), dtype=float32)
-        M, F = out.shape[0], out.shape[1]
         row0, col0 = cuda.blockIdx.y * TILE_M, cuda.blockIdx.x * TILE_N
         tile_product(a, w_gate, row0, col0, gate)
         for i in range(MICRO):
@@ -239,9 +238,8 @@ def _make_swiglu_two_passes(to_f32):
         tile_product(a, w_up, row0, col0, up)
         for i in range(MICRO):
             for j in range(MICRO):
-                r, col = row0 + cuda.threadIdx.y + SIDE * i, col0 + cuda.threadIdx.x + SIDE * j
-                if r < M and col < F:
-                    out[r, col] = gate[i, j] * up[i, j]  # silu_times(g, u), the same operations
+                gate[i, j] *= up[i, j]  # silu_times(g, u), the same operations
+        mm.store_tile(gate, out, row0, col0)
 
     return swiglu_tiled_two_passes
 
@@ -262,9 +260,7 @@ def _make_swiglu_interleaved(to_f32):
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         row0, col0 = cuda.blockIdx.y * TILE_M, cuda.blockIdx.x * TILE_N
         tile_product(a, w_gu, row0, col0, acc)
-        for i in range(MICRO):
-            for j in range(MICRO):
-                tile[ty + SIDE * i, tx + SIDE * j] = acc[i, j]
+        mm.store_tile(acc, tile, 0, 0)
         cuda.syncthreads()
         for e in range(ty * SIDE + tx, TILE_M * outs, SIDE * SIDE):
             r, f = e // outs, e % outs

@@ -62,6 +62,16 @@ def tile_product_for(to_f32):
     return tile_product
 
 
+@cuda.jit(device=True)
+def store_tile(acc, c, row0, col0):
+    """c[row0 + ty + 16 i, col0 + tx + 16 j] = acc[i, j], inside c: a thread's micro-tile (tile_product's layout)."""
+    for i in range(MICRO):
+        for j in range(MICRO):
+            r, col = row0 + cuda.threadIdx.y + SIDE * i, col0 + cuda.threadIdx.x + SIDE * j
+            if r < c.shape[0] and col < c.shape[1]:
+                c[r, col] = acc[i, j]
+
+
 def _make_matmul(to_f32):
     tile_product = tile_product_for(to_f32)
 
@@ -69,14 +79,9 @@ def _make_matmul(to_f32):
     def matmul_tiled(a, b, c):
         """c[M, N] = a[M, K] @ b[K, N]; grid (ceil(N / 64), ceil(M / 64)), block (16, 16)."""
         acc = cuda.local.array((MICRO, MICRO), dtype=float32)
-        M, N = a.shape[0], b.shape[1]
         row0, col0 = cuda.blockIdx.y * TILE_M, cuda.blockIdx.x * TILE_N
         tile_product(a, b, row0, col0, acc)
-        for i in range(MICRO):
-            for j in range(MICRO):
-                r, col = row0 + cuda.threadIdx.y + SIDE * i, col0 + cuda.threadIdx.x + SIDE * j
-                if r < M and col < N:
-                    c[r, col] = acc[i, j]
+        store_tile(acc, c, row0, col0)
 
     return matmul_tiled
 

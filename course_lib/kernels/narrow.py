@@ -412,7 +412,7 @@ _TRANSPOSED = {
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed) -> kernel, built on first use
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked) -> kernel, built on first use
 
 
 def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,

@@ -326,6 +326,12 @@ def sample_rows(logits, weights, temperature_top_p, top_k_seed, positions, token
         tokens[t] = tok
 
 
+def device_settings(temperature: float, top_k: int | None, top_p: float | None, seed: int) -> tuple[tuple, tuple]:
+    """A request's settings as the kernels read them: (temperature, top_p) float64 and (top_k, seed) int64, a top_p
+    of 1 and a top_k of 0 standing for none."""
+    return (temperature, 1.0 if top_p is None else top_p), (0 if top_k is None else top_k, seed)
+
+
 def sample_batch(logits, settings, positions, stream=0, rt=None) -> np.ndarray:
     """The next token of each row of logits [T, V] float32 (on the device), row t drawn with settings[t] =
     (temperature, top_k, top_p, seed) (None: off) for the token at positions[t]: sample_rows, then the T ids copied
@@ -333,8 +339,9 @@ def sample_batch(logits, settings, positions, stream=0, rt=None) -> np.ndarray:
     T, V = logits.shape
     if len(settings) != T or len(positions) != T:
         raise ValueError(f"sample_batch: {T} rows of logits, {len(settings)} settings, {len(positions)} positions")
-    floats = np.array([(t, 1.0 if p is None else p) for t, _, p, _ in settings], np.float64)
-    ints = np.array([(0 if k is None else k, seed) for _, k, _, seed in settings], np.int64)
+    encoded = [device_settings(*s) for s in settings]
+    floats = np.array([f for f, _ in encoded], np.float64)
+    ints = np.array([i for _, i in encoded], np.int64)
     put = cuda.to_device if rt is None else rt.to_device
     tokens = empty(T, np.int32, stream, rt)
     launch(sample_rows, T, THREADS, stream, rt, logits, empty((T, V), np.uint64, stream, rt), put(floats), put(ints),
