@@ -77,8 +77,13 @@ class Engine:
 
             self.recipe = get_recipe(recipe or default_recipe(gpu_available()))
             self.recipe.check(gpu_available())
-            self.backend = CudaBackend(model, self.capacity, weights=weights, ops=self.recipe.ops)
-            if self.recipe.replay != "launches":
+            if self.recipe.replay == "megakernel":
+                from .megakernel.runner import Megakernel
+
+                self.backend = Megakernel(model, self.capacity, weights=weights)
+            else:
+                self.backend = CudaBackend(model, self.capacity, weights=weights, ops=self.recipe.ops)
+            if self.recipe.replay in ("plan", "graph"):
                 self.plan = StepPlan(self.backend)
         else:
             raise ValueError(f"unknown backend {backend!r} (backends: auto, numpy, cuda, or a backend object)")
@@ -113,7 +118,9 @@ class Engine:
             return len(out) < max_new_tokens
 
         t0 = time.perf_counter()
-        if self.plan is None:
+        if self.recipe is not None and self.recipe.replay == "megakernel":
+            self._megakernel_loop(ids, sampling, max_new_tokens, take)
+        elif self.plan is None:
             self._host_loop(ids, sampling, take)
         else:
             self._device_loop(ids, sampling, max_new_tokens, take)
@@ -130,6 +137,19 @@ class Engine:
         while take(token):
             token = sample(b.decode(token), *sampling, position=len(ids) + n)
             n += 1
+
+    def _megakernel_loop(self, ids, sampling, max_new_tokens, take):
+        """The prompt in one launch, then launches of steps_per_launch tokens (fewer for the last), read after each
+        (a stop token is seen at the end of its launch; the tokens computed after it are dropped)."""
+        mk, n = self.backend, 1
+        if not take(mk.prefill(ids, sampling)):
+            return
+        while True:
+            steps = min(self.recipe.steps_per_launch, max_new_tokens - n)
+            for token in mk.decode(steps):
+                if not take(token):
+                    return
+            n += steps
 
     def _device_loop(self, ids, sampling, max_new_tokens, take):
         """The prefill launched kernel by kernel, then the plan replayed: the GPU chooses every token and the host

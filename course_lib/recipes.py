@@ -5,7 +5,8 @@ A recipe chooses a kernel for each stage of a layer (`cuda_backend.OP_CHOICES`) 
   it copies back (notebooks 01 to 04);
 - "plan": the step recorded once (course_lib.gpu.plan), its launches replayed with pre-flattened arguments, the token,
   position and sampling on the GPU (notebook 06);
-- "graph": the same plan captured as a CUDA graph and replayed by one call per `steps_per_launch` tokens.
+- "graph": the same plan captured as a CUDA graph and replayed by one call per `steps_per_launch` tokens;
+- "megakernel": no plan and no graph: one persistent kernel runs `steps_per_launch` whole steps (course_lib.megakernel).
 The notebooks, `bench`, the command line and the tests all take recipes from RECIPES.
 """
 
@@ -22,8 +23,8 @@ class Recipe:
     notebook: str  # where the recipe is introduced
     summary: str
     ops: dict = field(hash=False)  # a kernel choice per stage (cuda_backend.OP_CHOICES)
-    replay: str = "launches"  # "launches", "plan" or "graph"
-    steps_per_launch: int = 1  # decode steps per graph launch
+    replay: str = "launches"  # "launches", "plan", "graph" or "megakernel"
+    steps_per_launch: int = 1  # decode steps per graph or megakernel launch
 
     def check(self, gpu: bool) -> None:
         """Requirements, checked once when an engine is built: a graph needs a GPU."""
@@ -45,6 +46,9 @@ RECIPES = {r.name: r for r in (
     Recipe("fused", "05, 06", "the graph replay of a step of six kernels per layer: norm + QKV + RoPE + cache "
            "write, attention (chunks, merge), O + residual, norm + gate/up + SwiGLU, down + residual; the final norm "
            "in the logits", FUSED, replay="graph"),
+    Recipe("megakernel", "06", "one persistent kernel interprets the step's instruction list (fused operations on "
+           "slices of work, each started when what it reads is written), 16 tokens per launch", FUSED,
+           replay="megakernel", steps_per_launch=16),
 )}
 
 

@@ -396,7 +396,11 @@ def bench_recipe(model, name: str, bandwidth: float, context: int = 64, steps: i
     ids = _random_prompt(c, context)
     engine.generate(ids, max_new_tokens=4, stop=False)  # warm-up: compile, record, capture
     out = engine.generate(ids, max_new_tokens=steps, stop=False)
-    if engine.plan is None:
+    if recipe.replay == "megakernel":  # one kernel for steps_per_launch steps
+        engine.backend.prefill(ids)
+        gpu_ms, host_ms = engine.backend.step_costs(recipe.steps_per_launch)
+        kernels = 1
+    elif engine.plan is None:
         step = profile_decode(engine.backend, out.token_ids[-1], queued=True)
         gpu_ms, host_ms, kernels = step.gpu_ms, time_decode(engine.backend, out.token_ids[-1], 5), step.launches
     else:
@@ -405,7 +409,7 @@ def bench_recipe(model, name: str, bandwidth: float, context: int = 64, steps: i
     bound = accounting.tokens_per_s_bound(c, bandwidth, context + steps // 2, 2 if weights == "bf16" else 4)
     return {"recipe": name, "notebook": recipe.notebook, "weights": weights, "tokens_per_s": out.decode_tokens_per_s,
             "ms_per_token": 1e3 / out.decode_tokens_per_s, "gpu_ms_per_token": gpu_ms, "host_ms_per_token": host_ms,
-            "kernels_per_token": kernels, "host_launches_per_token": kernels if recipe.replay != "graph"
+            "kernels_per_token": kernels, "host_launches_per_token": kernels if recipe.replay in ("launches", "plan")
             else 1 / recipe.steps_per_launch, "bound_tokens_per_s": bound,
             "percent_of_bound": 100 * out.decode_tokens_per_s / bound}
 

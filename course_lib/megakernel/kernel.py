@@ -1,0 +1,336 @@
+"""The persistent megakernel: one launch runs whole decode steps by interpreting the instruction list of `program`.
+
+The grid is one block per SM (THREADS threads, the sampler's block). Block b runs queue b of the schedule, in
+order, once per step; before an instruction its threads wait until every instruction it depends on is marked done
+for this step, and after it they mark it done:
+
+    wait   thread j spins on done[deps[j]] (an atomic read: from the L2 cache, never from a stale L1 line) until it
+           reaches this step's epoch; then a memory fence and a block barrier (acquire: the block sees what the
+           other blocks wrote before they marked their instructions done)
+    run    the instruction's operation, by every thread of the block (the `op_*` device functions)
+    mark   a fence in every thread, a barrier, then thread 0 sets done[i] = epoch (release)
+
+Epochs make the flags reusable without clearing them: step t of a launch is epoch epoch0 + t + 1, and a flag
+only grows. The first instruction of a step (embed) also waits for the previous step's last (sample): everything of
+step t is an ancestor of its sample, so step t + 1 starts after all of step t. A launch runs `steps` steps: the
+prompt is fed through `feed` (feed[t] >= 0: the token of step t; its logits are then not computed), then each
+step embeds the token the previous one chose. No block waits for an instruction that comes later in (step,
+program order), so the blocks cannot deadlock as long as they all run at once (one per SM: `blocks_fit`). In the
+simulator the blocks run one after another: the kernel runs there with one block, whose queue is the program.
+
+Every matmul instruction reads its activation row into shared memory once and a slice of output columns of a
+[K, N] weight (64 columns a pass: a team of 8 lanes reads 128 contiguous bytes of a bf16 row with 16-byte loads,
+the teams of a block take rows k, k + teams, ...), then adds the teams' sums in a fixed order: the same bits
+whichever block runs the instruction and whatever the other blocks do.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import float32, int32
+
+from ..kernels import SIMULATOR, cuda
+from ..kernels.elementwise import FULL_MASK, block_max, block_sum, row_rms, segment_sum, silu_times
+from ..kernels.sampling import THREADS, choose
+from ..kernels.vector import bf16x8, f32x8
+from .schedule import OPCODES
+
+EMBED, QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, LOGITS, SAMPLE = (
+    OPCODES[op] for op in ("embed", "qkv", "attention", "o_proj", "gate_up", "down", "logits", "sample"))
+TEAM = 8  # lanes per weight row
+PASS_COLS = 8 * TEAM  # output columns of a matmul pass: 8 per lane (one 16-byte load of bf16)
+UNROLL = 4  # weight loads in flight per thread
+MAX_K = 8192  # the longest activation row a matmul instruction reads (Llama-3.2-1B's d_ff): 32 KB of shared memory
+MAX_GROUP = 8  # query heads per KV head at most
+WARPS = THREADS // 32
+LOADERS = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}  # 8 weights from a uint32 view of the array
+
+
+# ---- the block's work on a slice of a matmul ----
+
+def _column_dot_for(load8):
+    @cuda.jit(device=True)
+    def column_dot(a, K, w, base, N, c0, red, y):
+        """y[c] = sum_k a[k] w[base + k N + c0 + c] for the 64 columns c0 .. c0 + 63 (those < N). a: shared float32
+        [>= K], the activations; w: the weights seen as uint32 words (N and c0 multiples of 8); red: shared float32
+        [WARPS, PASS_COLS]; y: shared float32 [PASS_COLS]. Every thread calls."""
+        acc = cuda.local.array(8, dtype=float32)
+        buf = cuda.local.array((UNROLL, 8), dtype=float32)
+        tid = cuda.threadIdx.x
+        lane8, row, teams = tid % TEAM, tid // TEAM, cuda.blockDim.x // TEAM
+        col = c0 + 8 * lane8
+        for c in range(8):
+            acc[c] = float32(0)
+        if col < N:
+            k = row
+            while k + (UNROLL - 1) * teams < K:  # UNROLL rows' loads first, then their FMAs
+                for u in range(UNROLL):
+                    v = load8(w, (base + (k + u * teams) * N + col) // 8)
+                    for c in range(8):
+                        buf[u, c] = v[c]
+                for u in range(UNROLL):
+                    x = a[k + u * teams]
+                    for c in range(8):
+                        acc[c] += x * buf[u, c]
+                k += UNROLL * teams
+            while k < K:
+                v = load8(w, (base + k * N + col) // 8)
+                x = a[k]
+                for c in range(8):
+                    acc[c] += x * v[c]
+                k += teams
+        for c in range(8):  # the 4 teams of a warp: lanes l, l ^ 8, l ^ 16, l ^ 24 hold the same columns
+            acc[c] += cuda.shfl_xor_sync(FULL_MASK, acc[c], 8)
+            acc[c] += cuda.shfl_xor_sync(FULL_MASK, acc[c], 16)
+        if tid % 32 < TEAM:
+            for c in range(8):
+                red[tid // 32, 8 * lane8 + c] = acc[c]
+        cuda.syncthreads()
+        for c in range(tid, PASS_COLS, cuda.blockDim.x):
+            v = float32(0)
+            for wp in range(cuda.blockDim.x // 32):
+                v += red[wp, c]
+            y[c] = v
+        cuda.syncthreads()  # y is written, red free again
+
+    return column_dot
+
+
+@cuda.jit(device=True)
+def load_normed(x, gamma, g0, eps, a, scratch):
+    """a[j] = x[0, j] / rms(x[0]) * gamma[g0 + j] for the d entries of x [1, d] (RMSNorm into shared memory, the
+    rms as rms_norm computes it)."""
+    rms = row_rms(x, 0, eps, scratch)
+    for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        a[j] = x[0, j] / rms * gamma[g0 + j]
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def load_row(src, n, a):
+    """a[j] = src[j] for j < n (an activation row into shared memory)."""
+    for j in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        a[j] = src[j]
+    cuda.syncthreads()
+
+
+# ---- the operations: device functions of (instruction, buffers), every thread of the block calls ----
+
+def _ops_for(load8):
+    column_dot = _column_dot_for(load8)
+
+    @cuda.jit(device=True)
+    def op_embed(token, table, x):
+        """x[0] = the embedding of `token` (NaN for NO_TOKEN: the host reports the NaN that caused it)."""
+        d = x.shape[1]
+        for i8 in range(cuda.threadIdx.x, d // 8, cuda.blockDim.x):
+            if token >= 0:
+                v = load8(table, (token * d) // 8 + i8)
+                for c in range(8):
+                    x[0, 8 * i8 + c] = v[c]
+            else:
+                for c in range(8):
+                    x[0, 8 * i8 + c] = float32(math.nan)
+
+    @cuda.jit(device=True)
+    def op_qkv(layer, h, p, x, norm, eps, w, bias, cos, sin, q, k_cache, v_cache, a, yh, red, scratch):
+        """Head h of [q | k | v] (H + 2 Hkv heads of hd <= 64 columns) from the normalized x, + bias, RoPE at
+        position p for q and k; q to q[h hd ...], k and v to row p of the layer's cache [L, capacity, Hkv, hd]."""
+        d, hd = x.shape[1], cos.shape[1] * 2
+        N = bias.shape[1]
+        H, Hkv = q.shape[0] // hd, k_cache.shape[2]
+        load_normed(x, norm, layer * d, eps, a, scratch)
+        column_dot(a, d, w, layer * d * N, N, h * hd, red, yh)
+        half = hd // 2
+        for e in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+            v = yh[e] + bias[layer, h * hd + e]
+            if h < H + Hkv:  # q and k heads: rotate the pair (i, i + hd / 2)
+                i = e % half
+                c, s = cos[p, i], sin[p, i]
+                y0, y1 = yh[i] + bias[layer, h * hd + i], yh[i + half] + bias[layer, h * hd + i + half]
+                v = y0 * c - y1 * s if e < half else y0 * s + y1 * c
+            if h < H:
+                q[h * hd + e] = v
+            elif h < H + Hkv:
+                k_cache[layer, p, h - H, e] = v
+            else:
+                v_cache[layer, p, h - H - Hkv, e] = v
+
+    @cuda.jit(device=True)
+    def op_attention(layer, g, p, q, k_cache, v_cache, scores, attn, big, scratch):
+        """The query heads of KV head g (group of them) against cache rows 0 .. p: softmax(q k / sqrt(hd)) v into
+        attn. scores: global scratch [Hkv, MAX_GROUP, capacity]; big: shared float32 [MAX_K] (query and the
+        partial sums of the values). Three passes: scores and their maximum; exponentials and their sum; values."""
+        hd, Hkv = k_cache.shape[3], k_cache.shape[2]
+        group = q.shape[0] // hd // Hkv
+        tid, T, n = cuda.threadIdx.x, cuda.blockDim.x, p + 1
+        q0 = g * group * hd
+        qs = big[THREADS * MAX_GROUP:]  # the group's queries, scaled by 1 / sqrt(hd)
+        scale = float32(1) / float32(math.sqrt(hd))
+        for j in range(tid, group * hd, T):
+            qs[j] = q[q0 + j] * scale
+        cuda.syncthreads()
+        best = cuda.local.array(MAX_GROUP, dtype=float32)
+        total = cuda.local.array(MAX_GROUP, dtype=float32)
+        for h in range(group):
+            best[h] = float32(-math.inf)
+            total[h] = float32(0)
+        for t in range(tid, n, T):
+            for h in range(group):
+                s = float32(0)
+                for e in range(hd):
+                    s += qs[h * hd + e] * k_cache[layer, t, g, e]
+                scores[g, h, t] = s
+                best[h] = max(best[h], s)
+        for h in range(group):
+            best[h] = block_max(best[h], scratch)
+        for t in range(tid, n, T):
+            for h in range(group):
+                e = float32(math.exp(scores[g, h, t] - best[h]))
+                scores[g, h, t] = e
+                total[h] += e
+        for h in range(group):
+            total[h] = block_sum(total[h], scratch)  # its barriers also publish the exponentials to the block
+        slices = T // hd  # thread (slice, e) adds the values of rows slice, slice + slices, ... in column e
+        if tid < slices * hd:
+            sl, e = tid // hd, tid % hd
+            acc = cuda.local.array(MAX_GROUP, dtype=float32)
+            for h in range(group):
+                acc[h] = float32(0)
+            for t in range(sl, n, slices):
+                v = v_cache[layer, t, g, e]
+                for h in range(group):
+                    acc[h] += scores[g, h, t] * v
+            for h in range(group):
+                big[tid * MAX_GROUP + h] = acc[h]
+        cuda.syncthreads()
+        for j in range(tid, group * hd, T):
+            h, e = j // hd, j % hd
+            s = float32(0)
+            for sl in range(slices):
+                s += big[(sl * hd + e) * MAX_GROUP + h]
+            attn[q0 + j] = s / total[h]
+
+    @cuda.jit(device=True)
+    def op_project_add(layer, c0, c1, src, K, w, x, a, red, y):
+        """x[0, c] += src @ w[layer][:, c] for c0 <= c < c1 (O and down projections, the residual in place)."""
+        d = x.shape[1]
+        load_row(src, K, a)
+        for c in range(c0, c1, PASS_COLS):
+            column_dot(a, K, w, layer * K * d, d, c, red, y)
+            for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):
+                x[0, c + e] += y[e]
+
+    @cuda.jit(device=True)
+    def op_gate_up(layer, c0, c1, x, norm, eps, w_gate, w_up, act, a, red, gate, up, scratch):
+        """act[c] = silu(h @ w_gate[:, c]) * (h @ w_up[:, c]) for c0 <= c < c1, h the normalized x."""
+        d, d_ff = x.shape[1], act.shape[0]
+        load_normed(x, norm, layer * d, eps, a, scratch)
+        for c in range(c0, c1, PASS_COLS):
+            column_dot(a, d, w_gate, layer * d * d_ff, d_ff, c, red, gate)
+            column_dot(a, d, w_up, layer * d * d_ff, d_ff, c, red, up)
+            for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):
+                act[c + e] = silu_times(gate[e], up[e])
+
+    @cuda.jit(device=True)
+    def op_logits(c0, c1, x, norm, eps, head, logits, a, scratch):
+        """logits[n] = h . head[n] for c0 <= n < c1 (head [V, d]: a team of 8 lanes per row), h the normalized x."""
+        d = x.shape[1]
+        load_normed(x, norm, 0, eps, a, scratch)
+        tid = cuda.threadIdx.x
+        lane8, teams = tid % TEAM, cuda.blockDim.x // TEAM
+        for n0 in range(c0, c1, teams):  # every lane of a warp runs the same iterations (its shuffles need them)
+            n = n0 + tid // TEAM
+            s = float32(0)
+            if n < c1:
+                for i8 in range(lane8, d // 8, TEAM):
+                    v = load8(head, (n * d) // 8 + i8)
+                    for c in range(8):
+                        s += a[8 * i8 + c] * v[c]
+            s = segment_sum(s, TEAM)
+            if n < c1 and lane8 == 0:
+                logits[n] = s
+
+    return op_embed, op_qkv, op_attention, op_project_add, op_gate_up, op_logits
+
+
+# ---- the interpreter ----
+
+def _make_megakernel(load8):
+    op_embed, op_qkv, op_attention, op_project_add, op_gate_up, op_logits = _ops_for(load8)
+
+    @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
+    def megakernel(ops, deps_start, deps, queue_start, queue, done, epoch0, feed, tokens_out, token, position,
+                   temperature_top_p, top_k_seed, eps, cos, sin, embed, attn_norm, w_qkv, b_qkv, wo, mlp_norm, w_gate,
+                   w_up, w_down, final_norm, head, x, q, attn, act, logits, k_cache, v_cache, scores, weights):
+        """len(feed) decode steps (see the module's docstring). ops [n, 4], deps_start, deps, queue_start, queue:
+        the program and schedule (schedule.encode); done int32 [n]: the flags; feed int32 [steps]: the token of
+        each step, or < 0 for the one the previous step chose; tokens_out int32 [steps]: the token each step
+        chose; token, position int32 [1]: the state between steps. Weights stacked by layer, matrices seen as
+        uint32 words: w_qkv [L, d, (H + 2 Hkv) hd], wo [L, H hd, d], w_gate, w_up [L, d, d_ff], w_down [L, d_ff,
+        d], embed and head [V, d]; b_qkv [L, (H + 2 Hkv) hd] and the norms float32. x [1, d], q, attn [H hd],
+        act [d_ff], logits [V]; k_cache, v_cache [L, capacity, Hkv, hd]; scores [Hkv, MAX_GROUP, capacity];
+        weights uint64 [V] (the sampler's scratch)."""
+        a = cuda.shared.array(MAX_K, dtype=float32)
+        red = cuda.shared.array((WARPS, PASS_COLS), dtype=float32)
+        yh = cuda.shared.array(PASS_COLS, dtype=float32)
+        y2 = cuda.shared.array(PASS_COLS, dtype=float32)
+        scratch = cuda.shared.array(32, dtype=float32)
+        tid, b = cuda.threadIdx.x, cuda.blockIdx.x
+        last = ops.shape[0] - 1  # the sample instruction
+        steps = feed.shape[0]
+        for t in range(steps):
+            epoch = epoch0 + t + 1
+            for qi in range(queue_start[b], queue_start[b + 1]):
+                i = queue[qi]
+                op, layer, c0, c1 = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
+                for j in range(deps_start[i] + tid, deps_start[i + 1], cuda.blockDim.x):
+                    while cuda.atomic.max(done, deps[j], 0) < epoch:
+                        pass
+                if op == EMBED and tid == 0:
+                    while cuda.atomic.max(done, last, 0) < epoch - 1:
+                        pass
+                cuda.threadfence()
+                cuda.syncthreads()
+                p = position[0]
+                fed_next = t + 1 < steps and feed[t + 1] >= 0  # the next token is known: no logits needed
+                if op == EMBED:
+                    op_embed(feed[t] if feed[t] >= 0 else token[0], embed, x)
+                elif op == QKV:
+                    op_qkv(layer, c0, p, x, attn_norm, eps, w_qkv, b_qkv, cos, sin, q, k_cache, v_cache, a, yh, red,
+                           scratch)
+                elif op == ATTENTION:
+                    op_attention(layer, c0, p, q, k_cache, v_cache, scores, attn, a, scratch)
+                elif op == O_PROJ:
+                    op_project_add(layer, c0, c1, attn, attn.shape[0], wo, x, a, red, yh)
+                elif op == GATE_UP:
+                    op_gate_up(layer, c0, c1, x, mlp_norm, eps, w_gate, w_up, act, a, red, yh, y2, scratch)
+                elif op == DOWN:
+                    op_project_add(layer, c0, c1, act, act.shape[0], w_down, x, a, red, yh)
+                elif op == LOGITS:
+                    if not fed_next:
+                        op_logits(c0, c1, x, final_norm, eps, head, logits, a, scratch)
+                else:  # SAMPLE
+                    chosen = int32(0)
+                    if not fed_next:
+                        chosen = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0],
+                                        top_k_seed[1], p + 1)
+                    if tid == 0:
+                        token[0] = chosen
+                        tokens_out[t] = chosen
+                        position[0] = p + 1
+                cuda.threadfence()
+                cuda.syncthreads()
+                if tid == 0:
+                    cuda.atomic.max(done, i, epoch)
+
+    return megakernel
+
+
+@functools.cache
+def megakernel_for(dtype) -> object:
+    """The megakernel reading weights stored as `dtype` (float32, or bf16 bits as uint16), built on first use."""
+    return _make_megakernel(LOADERS[np.dtype(dtype)])

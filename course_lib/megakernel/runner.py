@@ -1,0 +1,175 @@
+"""The megakernel's host side: a model's weights stacked by layer, every buffer of a step allocated once by name (as
+llama2.c's RunState), the program scheduled on the GPU's SMs, and launches of many steps each.
+
+    mk = Megakernel(model, capacity=1024)
+    first = mk.prefill(prompt_ids, sampling)     # one launch: the prompt fed token by token, then the first choice
+    more = mk.decode(16)                         # one launch: the next 16 tokens, each chosen on the GPU
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import reference
+from ..kernels import SIMULATOR, compiled_once, cuda, sm_count
+from ..kernels.sampling import NO_TOKEN, THREADS, device_settings
+from ..model.loading import Model
+from ..model.safetensors_io import f32_to_bf16
+from .kernel import MAX_GROUP, MAX_K, PASS_COLS, megakernel_for
+from .program import build_program
+from .schedule import assign, cost, encode
+
+BANDWIDTH = 3.7e12  # bytes/s the scheduler's cost model assumes (the H200's measured read bandwidth, about)
+
+
+def check_shapes(config) -> None:
+    """The shapes the megakernel's instructions handle (see kernel.py); a clear error otherwise."""
+    c, hd = config, config.head_dim
+    problems = [f"{name} = {v} is not a multiple of 8 (16-byte loads)" for name, v in
+                (("d_model", c.d_model), ("d_ff", c.d_ff), ("n_heads * head_dim", c.n_heads * hd)) if v % 8]
+    if hd > PASS_COLS or hd > THREADS:
+        problems.append(f"head_dim = {hd} > {min(PASS_COLS, THREADS)}")
+    if c.n_heads // c.n_kv_heads > MAX_GROUP:
+        problems.append(f"{c.n_heads // c.n_kv_heads} query heads per KV head > {MAX_GROUP}")
+    if max(c.d_model, c.d_ff, c.n_heads * hd) > MAX_K:
+        problems.append(f"an activation row longer than {MAX_K}")
+    if problems:
+        raise ValueError("the megakernel cannot run this model: " + "; ".join(problems))
+
+
+@dataclass
+class MegaState:
+    """The buffers of the decode steps, allocated once (device arrays; shapes as in kernel.megakernel)."""
+
+    token: object
+    position: object
+    x: object
+    q: object
+    attn: object
+    act: object
+    logits: object
+    k_cache: object
+    v_cache: object
+    scores: object
+    weights: object  # the sampler's scratch
+    done: object  # a flag per instruction
+
+    @classmethod
+    def allocate(cls, config, capacity: int, n_instructions: int) -> MegaState:
+        c = config
+        cache = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
+        zeros = lambda shape, dtype=np.float32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
+        return cls(zeros(1, np.int32), zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
+                   zeros(c.n_heads * c.head_dim), zeros(c.d_ff), zeros(c.vocab_size), zeros(cache), zeros(cache),
+                   zeros((c.n_kv_heads, MAX_GROUP, capacity)), zeros(c.vocab_size, np.uint64),
+                   zeros(n_instructions, np.int32))
+
+
+def stacked_weights(model: Model, dtype: str) -> dict:
+    """The model's weights as the megakernel reads them: {name: device array}, matrices stacked by layer ([L, K, N],
+    bf16 bits or float32, seen as uint32 words), the head as [V, d] (the embedding table when tied), biases and
+    norms float32 (the norms flat: [L d])."""
+    if dtype not in ("f32", "bf16"):
+        raise ValueError(f"weight dtype must be 'f32' or 'bf16', got {dtype!r}")
+    w, c = model.weights, model.config
+    store = (lambda m: f32_to_bf16(m)) if dtype == "bf16" else (lambda m: np.ascontiguousarray(m, np.float32))
+
+    def matrix(host):
+        return cuda.to_device(store(host).view(np.uint32).reshape(-1))
+
+    def stack(name):
+        return np.stack([getattr(lw, name) for lw in w.layers])
+
+    n_qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    biases = [np.concatenate([lw.bq, lw.bk, lw.bv]) if lw.bq is not None else np.zeros(n_qkv, np.float32)
+              for lw in w.layers]
+    return {
+        "embed": matrix(w.embed), "head": matrix(w.embed if w.lm_head is None else w.lm_head.T),
+        "attn_norm": cuda.to_device(stack("attn_norm").astype(np.float32).reshape(-1)),
+        "w_qkv": matrix(np.stack([np.concatenate([lw.wq, lw.wk, lw.wv], axis=1) for lw in w.layers])),
+        "b_qkv": cuda.to_device(np.stack(biases).astype(np.float32)),
+        "wo": matrix(stack("wo")), "mlp_norm": cuda.to_device(stack("mlp_norm").astype(np.float32).reshape(-1)),
+        "w_gate": matrix(stack("w_gate")), "w_up": matrix(stack("w_up")), "w_down": matrix(stack("w_down")),
+        "final_norm": cuda.to_device(w.final_norm.astype(np.float32)),
+    }
+
+
+class Megakernel:
+    """A model ready to decode by the megakernel: one launch for the prompt, one per `decode` call. blocks: the
+    persistent grid (default: one per SM; one in the simulator, which runs blocks one after another)."""
+
+    def __init__(self, model: Model, capacity: int, weights: str = "bf16", blocks: int | None = None,
+                 cols: int = 64, vocab_cols: int = 512):
+        c = self.config = model.config
+        check_shapes(c)
+        self.model, self.capacity = model, capacity
+        self.blocks = blocks or (1 if SIMULATOR else sm_count())
+        self.program = build_program(c, cols=cols, vocab_cols=vocab_cols)
+        self.schedule = assign(self.program, cost(self.program, c, self.blocks, BANDWIDTH, context=256),
+                               self.blocks)
+        self.tables = {k: cuda.to_device(v) for k, v in encode(self.program, self.schedule.queues).items()}
+        self.w = stacked_weights(model, weights)
+        self.kernel = megakernel_for(np.uint16 if weights == "bf16" else np.float32)
+        cos, sin = reference.rope_tables(c, capacity)
+        self.cos, self.sin = cuda.to_device(cos), cuda.to_device(sin)
+        self.state = MegaState.allocate(c, capacity, len(self.program))
+        self.stream = cuda.stream()
+        self.epoch = 0  # the flags' value after the last step run
+        self.settings = [cuda.to_device(a) for a in (np.zeros(2), np.zeros(2, np.int64))]
+        self.position = 0  # positions of the cache filled
+
+    def _launch(self, feed: np.ndarray) -> np.ndarray:
+        """Run len(feed) steps; -> the token each chose (int32 [steps])."""
+        return self._queue(feed).copy_to_host(stream=self.stream)
+
+    def _queue(self, feed: np.ndarray):
+        """Queue the launch of len(feed) steps on the stream; -> the device array of the tokens they choose."""
+        steps = len(feed)
+        if self.position + steps > self.capacity:
+            raise ValueError(f"{self.position} + {steps} positions exceed the megakernel's capacity of "
+                             f"{self.capacity}")
+        s, w, t = self.state, self.w, self.tables
+        out = cuda.device_array(steps, np.int32, stream=self.stream)
+        compiled_once(self.kernel)[self.blocks, THREADS, self.stream](
+            t["ops"], t["deps_start"], t["deps"], t["queue_start"], t["queue"], s.done, np.int32(self.epoch),
+            cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token, s.position,
+            *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
+            w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],
+            s.x, s.q, s.attn, s.act, s.logits, s.k_cache, s.v_cache, s.scores, s.weights)
+        self.epoch += steps
+        self.position += steps
+        return out
+
+    def prefill(self, ids, sampling=(0.0, None, None, 0)) -> int:
+        """Start a sequence: the prompt's tokens fed one step each (one launch), -> the token chosen after them
+        (NO_TOKEN on NaN logits). sampling: (temperature, top_k, top_p, seed)."""
+        if len(ids) == 0:
+            raise ValueError("an empty prompt: nothing to decode from")
+        for arr, host in zip(self.settings, device_settings(*sampling), strict=True):
+            arr.copy_to_device(np.asarray(host, arr.dtype), stream=self.stream)
+        self.position = 0
+        self.state.position.copy_to_device(np.zeros(1, np.int32), stream=self.stream)
+        return int(self._launch(np.asarray(ids, np.int32))[-1])
+
+    def decode(self, steps: int) -> list[int]:
+        """The next `steps` tokens, each fed back by the GPU (one launch)."""
+        return [int(t) for t in self._launch(np.full(steps, -1, np.int32))]
+
+    def step_costs(self, steps: int = 32) -> tuple[float, float]:
+        """(GPU ms, host ms) per decode step of a launch of `steps` (the sequence goes on: `steps` positions are
+        used). GPU: events around the launch; host: the time to issue it, shared by its steps."""
+        start, end = cuda.event(), cuda.event()
+        self.stream.synchronize()
+        t0 = time.perf_counter()
+        start.record(self.stream)
+        self._queue(np.full(steps, -1, np.int32))
+        end.record(self.stream)
+        host = time.perf_counter() - t0
+        end.synchronize()
+        return cuda.event_elapsed_time(start, end) / steps, 1e3 * host / steps
+
+
+__all__ = ["Megakernel", "MegaState", "NO_TOKEN", "check_shapes", "stacked_weights"]

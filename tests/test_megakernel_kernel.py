@@ -1,0 +1,65 @@
+"""The megakernel (course_lib.megakernel.kernel): one persistent launch runs whole decode steps and gives the
+reference's tokens, greedy and seeded, whether the steps come in one launch or many. In the simulator one block runs
+the whole program on the tiny models (blocks run one after another there: several blocks waiting on each other
+would never finish); on a GPU a block per SM runs the real SmolLM2, against the reference and the graph recipe."""
+
+import dataclasses
+
+import pytest
+from checks import as_computed
+
+from course_lib import Engine, generate
+from course_lib.kernels import SIMULATOR
+from course_lib.megakernel.runner import Megakernel, check_shapes
+from course_lib.model.config import SMOLLM2_135M
+
+N_NEW = 4 if SIMULATOR else 32
+PROMPTS = [[3, 17, 42]] if SIMULATOR else [  # the tiny tokenizer is byte-level: a sentence is ~25 steps
+    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny_qwen"] if SIMULATOR else ["smollm"])
+def mk_model(request):
+    return request.getfixturevalue(request.param)
+
+
+def megakernel_engine(model, weights):
+    return Engine(model, "cuda", recipe="megakernel", weights=weights, capacity=96)
+
+
+@pytest.mark.parametrize("weights", ["f32"] if SIMULATOR else ["bf16"])
+def test_megakernel_gives_the_reference_greedy_tokens(mk_model, weights):
+    engine = megakernel_engine(mk_model, weights)
+    for prompt in PROMPTS:
+        expected = generate(as_computed(mk_model, weights), prompt, backend="numpy", max_new_tokens=N_NEW, stop=False)
+        assert engine.generate(prompt, max_new_tokens=N_NEW, stop=False).token_ids == expected.token_ids, prompt
+        if not SIMULATOR:  # and the graph replay of the fused step's
+            fused = Engine(mk_model, "cuda", recipe="fused", weights=weights, capacity=96)
+            assert engine.generate(prompt, max_new_tokens=N_NEW, stop=False).token_ids == \
+                fused.generate(prompt, max_new_tokens=N_NEW, stop=False).token_ids
+
+
+def test_megakernel_seeded_sampling_matches_reference(mk_model):
+    """The same (seed, position) draws the same token on the host and inside the megakernel."""
+    kw = dict(max_new_tokens=N_NEW, stop=False, temperature=0.8, top_p=0.95, seed=11)
+    weights = "f32" if SIMULATOR else "bf16"
+    prompt = PROMPTS[-1]
+    expected = generate(as_computed(mk_model, weights), prompt, backend="numpy", **kw)
+    assert megakernel_engine(mk_model, weights).generate(prompt, **kw).token_ids == expected.token_ids
+
+
+def test_steps_split_across_launches_give_the_same_tokens(tiny):
+    """The done flags carry an epoch per step: launches of 1, 2 and 3 steps continue one sequence as one launch
+    of 4 would (the flags are never cleared, only raised)."""
+    one = Megakernel(tiny, 32, weights="bf16")
+    tokens = [one.prefill([5, 6])] + one.decode(2)
+    many = Megakernel(tiny, 32, weights="bf16")
+    assert [many.prefill([5, 6])] + many.decode(1) + many.decode(1) == tokens
+    assert many.epoch == 2 + 2 and many.prefill([5, 6]) == tokens[0]  # a new sequence reuses the flags
+
+
+def test_shapes_the_megakernel_cannot_run_are_refused(tiny):
+    wide = dataclasses.replace(SMOLLM2_135M, d_model=9 * 128)  # head_dim 128: more than a matmul pass's 64 columns
+    with pytest.raises(ValueError, match="head_dim = 128"):
+        check_shapes(wide)
+    check_shapes(tiny.config)
