@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import numpy as np
 from numba import float32, int32
@@ -40,56 +41,81 @@ from .schedule import OPCODES
 
 EMBED, QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, LOGITS, SAMPLE = (
     OPCODES[op] for op in ("embed", "qkv", "attention", "o_proj", "gate_up", "down", "logits", "sample"))
-TEAM = 8  # lanes per weight row
-PASS_COLS = 8 * TEAM  # output columns of a matmul pass: 8 per lane (one 16-byte load of bf16)
-UNROLL = 4  # weight loads in flight per thread
+HEAD_TEAM = 8  # lanes per weight row in a qkv instruction: 64 columns a pass, a whole head of up to 64
+PASS_COLS = 8 * HEAD_TEAM
+SLICE_TEAM = 2  # lanes per weight row in the other matmul instructions: slices of 16 columns, so that a layer's
+# matmuls are cut in enough instructions to keep every SM reading
+SLICE_COLS = 8 * SLICE_TEAM
+UNROLL = 8  # weight loads in flight per thread
 MAX_K = 8192  # the longest activation row a matmul instruction reads (Llama-3.2-1B's d_ff): 32 KB of shared memory
 MAX_GROUP = 8  # query heads per KV head at most
+ROWS_IN_FLIGHT = 4  # cache rows whose loads attention issues before using them
 WARPS = THREADS // 32
 LOADERS = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}  # 8 weights from a uint32 view of the array
 
 
+# ---- time stamps: the GPU's nanosecond clock, shared by all SMs (PTX %globaltimer) ----
+
+if SIMULATOR:
+    def globaltimer():
+        return time.perf_counter_ns()
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def globaltimer(typingctx):
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []), "mov.u64 $0, %globaltimer;", "=l",
+                               side_effect=True)
+            return builder.call(asm, [])
+
+        return types.int64(), codegen
+
+
 # ---- the block's work on a slice of a matmul ----
 
-def _column_dot_for(load8):
+@functools.cache
+def _column_dot_for(load8, team):
+    cols = 8 * team  # columns of a pass
+
     @cuda.jit(device=True)
     def column_dot(a, K, w, base, N, c0, red, y):
-        """y[c] = sum_k a[k] w[base + k N + c0 + c] for the 64 columns c0 .. c0 + 63 (those < N). a: shared float32
-        [>= K], the activations; w: the weights seen as uint32 words (N and c0 multiples of 8); red: shared float32
-        [WARPS, PASS_COLS]; y: shared float32 [PASS_COLS]. Every thread calls."""
+        """y[c] = sum_k a[k] w[base + k N + c0 + c] for the 8 team columns c0 .. c0 + 8 team - 1 (those < N). a: shared
+        float32 [>= K], the activations; w: the weights seen as uint32 words (N and c0 multiples of 8); red: shared
+        float32 [WARPS, >= 8 team]; y: shared float32 [>= 8 team]. A team of `team` lanes reads 16 team contiguous
+        bytes of a bf16 row; the block's teams take rows k, k + teams, ..., UNROLL rows' loads in flight per thread
+        before their FMAs (the loads of a short K all at once). Every thread calls."""
         acc = cuda.local.array(8, dtype=float32)
         buf = cuda.local.array((UNROLL, 8), dtype=float32)
         tid = cuda.threadIdx.x
-        lane8, row, teams = tid % TEAM, tid // TEAM, cuda.blockDim.x // TEAM
-        col = c0 + 8 * lane8
+        lane, teams = tid % team, cuda.blockDim.x // team
+        col = c0 + 8 * lane
         for c in range(8):
             acc[c] = float32(0)
         if col < N:
-            k = row
-            while k + (UNROLL - 1) * teams < K:  # UNROLL rows' loads first, then their FMAs
+            for k0 in range(tid // team, K, UNROLL * teams):
                 for u in range(UNROLL):
-                    v = load8(w, (base + (k + u * teams) * N + col) // 8)
-                    for c in range(8):
-                        buf[u, c] = v[c]
+                    if k0 + u * teams < K:
+                        v = load8(w, (base + (k0 + u * teams) * N + col) // 8)
+                        for c in range(8):
+                            buf[u, c] = v[c]
                 for u in range(UNROLL):
-                    x = a[k + u * teams]
-                    for c in range(8):
-                        acc[c] += x * buf[u, c]
-                k += UNROLL * teams
-            while k < K:
-                v = load8(w, (base + k * N + col) // 8)
-                x = a[k]
-                for c in range(8):
-                    acc[c] += x * v[c]
-                k += teams
-        for c in range(8):  # the 4 teams of a warp: lanes l, l ^ 8, l ^ 16, l ^ 24 hold the same columns
-            acc[c] += cuda.shfl_xor_sync(FULL_MASK, acc[c], 8)
-            acc[c] += cuda.shfl_xor_sync(FULL_MASK, acc[c], 16)
-        if tid % 32 < TEAM:
+                    if k0 + u * teams < K:
+                        x = a[k0 + u * teams]
+                        for c in range(8):
+                            acc[c] += x * buf[u, c]
+        offset = team  # the teams of a warp: lanes l, l ^ team, l ^ 2 team, ... hold the same columns
+        while offset < 32:
             for c in range(8):
-                red[tid // 32, 8 * lane8 + c] = acc[c]
+                acc[c] += cuda.shfl_xor_sync(FULL_MASK, acc[c], offset)
+            offset *= 2
+        if tid % 32 < team:
+            for c in range(8):
+                red[tid // 32, 8 * lane + c] = acc[c]
         cuda.syncthreads()
-        for c in range(tid, PASS_COLS, cuda.blockDim.x):
+        for c in range(tid, cols, cuda.blockDim.x):
             v = float32(0)
             for wp in range(cuda.blockDim.x // 32):
                 v += red[wp, c]
@@ -120,7 +146,7 @@ def load_row(src, n, a):
 # ---- the operations: device functions of (instruction, buffers), every thread of the block calls ----
 
 def _ops_for(load8):
-    column_dot = _column_dot_for(load8)
+    head_dot, slice_dot = _column_dot_for(load8, HEAD_TEAM), _column_dot_for(load8, SLICE_TEAM)
 
     @cuda.jit(device=True)
     def op_embed(token, table, x):
@@ -143,7 +169,7 @@ def _ops_for(load8):
         N = bias.shape[1]
         H, Hkv = q.shape[0] // hd, k_cache.shape[2]
         load_normed(x, norm, layer * d, eps, a, scratch)
-        column_dot(a, d, w, layer * d * N, N, h * hd, red, yh)
+        head_dot(a, d, w, layer * d * N, N, h * hd, red, yh)
         half = hd // 2
         for e in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
             v = yh[e] + bias[layer, h * hd + e]
@@ -163,7 +189,8 @@ def _ops_for(load8):
     def op_attention(layer, g, p, q, k_cache, v_cache, scores, attn, big, scratch):
         """The query heads of KV head g (group of them) against cache rows 0 .. p: softmax(q k / sqrt(hd)) v into
         attn. scores: global scratch [Hkv, MAX_GROUP, capacity]; big: shared float32 [MAX_K] (query and the
-        partial sums of the values). Three passes: scores and their maximum; exponentials and their sum; values."""
+        partial sums of the values). Three passes: scores (a warp per key, ROWS_IN_FLIGHT keys at a time) and their
+        maximum; exponentials and their sum; values (a thread per column and slice of the rows). hd <= 64."""
         hd, Hkv = k_cache.shape[3], k_cache.shape[2]
         group = q.shape[0] // hd // Hkv
         tid, T, n = cuda.threadIdx.x, cuda.blockDim.x, p + 1
@@ -178,13 +205,24 @@ def _ops_for(load8):
         for h in range(group):
             best[h] = float32(-math.inf)
             total[h] = float32(0)
-        for t in range(tid, n, T):
-            for h in range(group):
-                s = float32(0)
-                for e in range(hd):
-                    s += qs[h * hd + e] * k_cache[layer, t, g, e]
-                scores[g, h, t] = s
-                best[h] = max(best[h], s)
+        lane, warp = tid % 32, tid // 32
+        kbuf = cuda.local.array((ROWS_IN_FLIGHT, 2), dtype=float32)  # a lane's (up to) 2 elements of each key
+        for t0 in range(warp * ROWS_IN_FLIGHT, n, T // 32 * ROWS_IN_FLIGHT):  # a warp per key, lanes over its hd
+            for u in range(ROWS_IN_FLIGHT):
+                for j in range(2):
+                    e = lane + 32 * j
+                    kbuf[u, j] = k_cache[layer, t0 + u, g, e] if t0 + u < n and e < hd else float32(0)
+            for u in range(ROWS_IN_FLIGHT):
+                for h in range(group):
+                    s = float32(0)
+                    for j in range(2):
+                        if lane + 32 * j < hd:
+                            s += qs[h * hd + lane + 32 * j] * kbuf[u, j]
+                    s = segment_sum(s, 32)
+                    if t0 + u < n:
+                        if lane == 0:
+                            scores[g, h, t0 + u] = s
+                        best[h] = max(best[h], s)
         for h in range(group):
             best[h] = block_max(best[h], scratch)
         for t in range(tid, n, T):
@@ -200,10 +238,17 @@ def _ops_for(load8):
             acc = cuda.local.array(MAX_GROUP, dtype=float32)
             for h in range(group):
                 acc[h] = float32(0)
-            for t in range(sl, n, slices):
-                v = v_cache[layer, t, g, e]
-                for h in range(group):
-                    acc[h] += scores[g, h, t] * v
+            vbuf = cuda.local.array(ROWS_IN_FLIGHT, dtype=float32)
+            sbuf = cuda.local.array((ROWS_IN_FLIGHT, MAX_GROUP), dtype=float32)
+            for t0 in range(sl, n, slices * ROWS_IN_FLIGHT):  # the loads of ROWS_IN_FLIGHT rows, then their FMAs
+                for u in range(ROWS_IN_FLIGHT):
+                    t = t0 + u * slices
+                    vbuf[u] = v_cache[layer, t, g, e] if t < n else float32(0)
+                    for h in range(group):
+                        sbuf[u, h] = scores[g, h, t] if t < n else float32(0)
+                for u in range(ROWS_IN_FLIGHT):
+                    for h in range(group):
+                        acc[h] += sbuf[u, h] * vbuf[u]
             for h in range(group):
                 big[tid * MAX_GROUP + h] = acc[h]
         cuda.syncthreads()
@@ -219,9 +264,9 @@ def _ops_for(load8):
         """x[0, c] += src @ w[layer][:, c] for c0 <= c < c1 (O and down projections, the residual in place)."""
         d = x.shape[1]
         load_row(src, K, a)
-        for c in range(c0, c1, PASS_COLS):
-            column_dot(a, K, w, layer * K * d, d, c, red, y)
-            for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):
+        for c in range(c0, c1, SLICE_COLS):
+            slice_dot(a, K, w, layer * K * d, d, c, red, y)
+            for e in range(cuda.threadIdx.x, min(SLICE_COLS, c1 - c), cuda.blockDim.x):
                 x[0, c + e] += y[e]
 
     @cuda.jit(device=True)
@@ -229,30 +274,22 @@ def _ops_for(load8):
         """act[c] = silu(h @ w_gate[:, c]) * (h @ w_up[:, c]) for c0 <= c < c1, h the normalized x."""
         d, d_ff = x.shape[1], act.shape[0]
         load_normed(x, norm, layer * d, eps, a, scratch)
-        for c in range(c0, c1, PASS_COLS):
-            column_dot(a, d, w_gate, layer * d * d_ff, d_ff, c, red, gate)
-            column_dot(a, d, w_up, layer * d * d_ff, d_ff, c, red, up)
-            for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):
+        for c in range(c0, c1, SLICE_COLS):
+            slice_dot(a, d, w_gate, layer * d * d_ff, d_ff, c, red, gate)
+            slice_dot(a, d, w_up, layer * d * d_ff, d_ff, c, red, up)
+            for e in range(cuda.threadIdx.x, min(SLICE_COLS, c1 - c), cuda.blockDim.x):
                 act[c + e] = silu_times(gate[e], up[e])
 
     @cuda.jit(device=True)
-    def op_logits(c0, c1, x, norm, eps, head, logits, a, scratch):
-        """logits[n] = h . head[n] for c0 <= n < c1 (head [V, d]: a team of 8 lanes per row), h the normalized x."""
+    def op_logits(c0, c1, x, norm, eps, head, logits, a, red, y, scratch):
+        """logits[n] = h @ head[:, n] for c0 <= n < c1 (head [d, V rounded up to 8]), h the normalized x."""
         d = x.shape[1]
+        V8 = (logits.shape[0] + 7) // 8 * 8  # the head's padded width
         load_normed(x, norm, 0, eps, a, scratch)
-        tid = cuda.threadIdx.x
-        lane8, teams = tid % TEAM, cuda.blockDim.x // TEAM
-        for n0 in range(c0, c1, teams):  # every lane of a warp runs the same iterations (its shuffles need them)
-            n = n0 + tid // TEAM
-            s = float32(0)
-            if n < c1:
-                for i8 in range(lane8, d // 8, TEAM):
-                    v = load8(head, (n * d) // 8 + i8)
-                    for c in range(8):
-                        s += a[8 * i8 + c] * v[c]
-            s = segment_sum(s, TEAM)
-            if n < c1 and lane8 == 0:
-                logits[n] = s
+        for c in range(c0, c1, PASS_COLS):
+            head_dot(a, d, head, 0, V8, c, red, y)
+            for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):
+                logits[c + e] = y[e]
 
     return op_embed, op_qkv, op_attention, op_project_add, op_gate_up, op_logits
 
@@ -263,17 +300,18 @@ def _make_megakernel(load8):
     op_embed, op_qkv, op_attention, op_project_add, op_gate_up, op_logits = _ops_for(load8)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
-    def megakernel(ops, deps_start, deps, queue_start, queue, done, epoch0, feed, tokens_out, token, position,
+    def megakernel(ops, deps_start, deps, queue_start, queue, done, epoch0, feed, tokens_out, token, position0,
                    temperature_top_p, top_k_seed, eps, cos, sin, embed, attn_norm, w_qkv, b_qkv, wo, mlp_norm, w_gate,
-                   w_up, w_down, final_norm, head, x, q, attn, act, logits, k_cache, v_cache, scores, weights):
+                   w_up, w_down, final_norm, head, x, q, attn, act, logits, k_cache, v_cache, scores, weights, stamps):
         """len(feed) decode steps (see the module's docstring). ops [n, 4], deps_start, deps, queue_start, queue:
         the program and schedule (schedule.encode); done int32 [n]: the flags; feed int32 [steps]: the token of
         each step, or < 0 for the one the previous step chose; tokens_out int32 [steps]: the token each step
-        chose; token, position int32 [1]: the state between steps. Weights stacked by layer, matrices seen as
+        chose; token int32 [1]: the token chosen last; position0: the position of step 0 (step t is at position0 + t). Weights stacked by layer, matrices seen as
         uint32 words: w_qkv [L, d, (H + 2 Hkv) hd], wo [L, H hd, d], w_gate, w_up [L, d, d_ff], w_down [L, d_ff,
-        d], embed and head [V, d]; b_qkv [L, (H + 2 Hkv) hd] and the norms float32. x [1, d], q, attn [H hd],
+        d], embed [V, d], head [d, V rounded up to 8]; b_qkv [L, (H + 2 Hkv) hd] and the norms float32. x [1, d], q, attn [H hd],
         act [d_ff], logits [V]; k_cache, v_cache [L, capacity, Hkv, hd]; scores [Hkv, MAX_GROUP, capacity];
-        weights uint64 [V] (the sampler's scratch)."""
+        weights uint64 [V] (the sampler's scratch); stamps int64 [n, 3]: for each instruction of the last step, the
+        GPU clock (ns) when its block began waiting for it, began running it, and marked it done."""
         a = cuda.shared.array(MAX_K, dtype=float32)
         red = cuda.shared.array((WARPS, PASS_COLS), dtype=float32)
         yh = cuda.shared.array(PASS_COLS, dtype=float32)
@@ -284,9 +322,13 @@ def _make_megakernel(load8):
         steps = feed.shape[0]
         for t in range(steps):
             epoch = epoch0 + t + 1
+            p = position0 + t
+            fed_next = t + 1 < steps and feed[t + 1] >= 0  # the next token is known: no logits needed
             for qi in range(queue_start[b], queue_start[b + 1]):
                 i = queue[qi]
                 op, layer, c0, c1 = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
+                if tid == 0:
+                    stamps[i, 0] = globaltimer()
                 for j in range(deps_start[i] + tid, deps_start[i + 1], cuda.blockDim.x):
                     while cuda.atomic.max(done, deps[j], 0) < epoch:
                         pass
@@ -295,8 +337,8 @@ def _make_megakernel(load8):
                         pass
                 cuda.threadfence()
                 cuda.syncthreads()
-                p = position[0]
-                fed_next = t + 1 < steps and feed[t + 1] >= 0  # the next token is known: no logits needed
+                if tid == 0:
+                    stamps[i, 1] = globaltimer()
                 if op == EMBED:
                     op_embed(feed[t] if feed[t] >= 0 else token[0], embed, x)
                 elif op == QKV:
@@ -312,7 +354,7 @@ def _make_megakernel(load8):
                     op_project_add(layer, c0, c1, act, act.shape[0], w_down, x, a, red, yh)
                 elif op == LOGITS:
                     if not fed_next:
-                        op_logits(c0, c1, x, final_norm, eps, head, logits, a, scratch)
+                        op_logits(c0, c1, x, final_norm, eps, head, logits, a, red, yh, scratch)
                 else:  # SAMPLE
                     chosen = int32(0)
                     if not fed_next:
@@ -321,11 +363,11 @@ def _make_megakernel(load8):
                     if tid == 0:
                         token[0] = chosen
                         tokens_out[t] = chosen
-                        position[0] = p + 1
                 cuda.threadfence()
                 cuda.syncthreads()
                 if tid == 0:
                     cuda.atomic.max(done, i, epoch)
+                    stamps[i, 2] = globaltimer()
 
     return megakernel
 

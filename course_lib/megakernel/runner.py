@@ -18,7 +18,7 @@ from ..kernels import SIMULATOR, compiled_once, cuda, sm_count
 from ..kernels.sampling import NO_TOKEN, THREADS, device_settings
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
-from .kernel import MAX_GROUP, MAX_K, PASS_COLS, megakernel_for
+from .kernel import MAX_GROUP, MAX_K, PASS_COLS, SLICE_COLS, megakernel_for
 from .program import build_program
 from .schedule import assign, cost, encode
 
@@ -45,7 +45,6 @@ class MegaState:
     """The buffers of the decode steps, allocated once (device arrays; shapes as in kernel.megakernel)."""
 
     token: object
-    position: object
     x: object
     q: object
     attn: object
@@ -56,21 +55,23 @@ class MegaState:
     scores: object
     weights: object  # the sampler's scratch
     done: object  # a flag per instruction
+    stamps: object  # int64 [n, 3]: clock when each instruction of the last step was waited for, started, done
 
     @classmethod
     def allocate(cls, config, capacity: int, n_instructions: int) -> MegaState:
         c = config
         cache = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
         zeros = lambda shape, dtype=np.float32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
-        return cls(zeros(1, np.int32), zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
+        return cls(zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
                    zeros(c.n_heads * c.head_dim), zeros(c.d_ff), zeros(c.vocab_size), zeros(cache), zeros(cache),
                    zeros((c.n_kv_heads, MAX_GROUP, capacity)), zeros(c.vocab_size, np.uint64),
-                   zeros(n_instructions, np.int32))
+                   zeros(n_instructions, np.int32), zeros((n_instructions, 3), np.int64))
 
 
 def stacked_weights(model: Model, dtype: str) -> dict:
     """The model's weights as the megakernel reads them: {name: device array}, matrices stacked by layer ([L, K, N],
-    bf16 bits or float32, seen as uint32 words), the head as [V, d] (the embedding table when tied), biases and
+    bf16 bits or float32, seen as uint32 words), the head as [d, V] (a transposed copy of the embedding table when
+    tied: the logits are column slices like every other matmul; V padded with zeros to a multiple of 8), biases and
     norms float32 (the norms flat: [L d])."""
     if dtype not in ("f32", "bf16"):
         raise ValueError(f"weight dtype must be 'f32' or 'bf16', got {dtype!r}")
@@ -80,6 +81,9 @@ def stacked_weights(model: Model, dtype: str) -> dict:
     def matrix(host):
         return cuda.to_device(store(host).view(np.uint32).reshape(-1))
 
+    def padded(head):  # [d, V] -> [d, V rounded up to 8]: 16-byte loads of whole rows
+        return np.pad(head, ((0, 0), (0, -c.vocab_size % 8)))
+
     def stack(name):
         return np.stack([getattr(lw, name) for lw in w.layers])
 
@@ -87,7 +91,7 @@ def stacked_weights(model: Model, dtype: str) -> dict:
     biases = [np.concatenate([lw.bq, lw.bk, lw.bv]) if lw.bq is not None else np.zeros(n_qkv, np.float32)
               for lw in w.layers]
     return {
-        "embed": matrix(w.embed), "head": matrix(w.embed if w.lm_head is None else w.lm_head.T),
+        "embed": matrix(w.embed), "head": matrix(padded(w.embed.T if w.lm_head is None else w.lm_head)),
         "attn_norm": cuda.to_device(stack("attn_norm").astype(np.float32).reshape(-1)),
         "w_qkv": matrix(np.stack([np.concatenate([lw.wq, lw.wk, lw.wv], axis=1) for lw in w.layers])),
         "b_qkv": cuda.to_device(np.stack(biases).astype(np.float32)),
@@ -102,7 +106,7 @@ class Megakernel:
     persistent grid (default: one per SM; one in the simulator, which runs blocks one after another)."""
 
     def __init__(self, model: Model, capacity: int, weights: str = "bf16", blocks: int | None = None,
-                 cols: int = 64, vocab_cols: int = 512):
+                 cols: int = SLICE_COLS, vocab_cols: int = 384):
         c = self.config = model.config
         check_shapes(c)
         self.model, self.capacity = model, capacity
@@ -135,10 +139,10 @@ class Megakernel:
         out = cuda.device_array(steps, np.int32, stream=self.stream)
         compiled_once(self.kernel)[self.blocks, THREADS, self.stream](
             t["ops"], t["deps_start"], t["deps"], t["queue_start"], t["queue"], s.done, np.int32(self.epoch),
-            cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token, s.position,
+            cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token, np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
             w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],
-            s.x, s.q, s.attn, s.act, s.logits, s.k_cache, s.v_cache, s.scores, s.weights)
+            s.x, s.q, s.attn, s.act, s.logits, s.k_cache, s.v_cache, s.scores, s.weights, s.stamps)
         self.epoch += steps
         self.position += steps
         return out
@@ -151,12 +155,22 @@ class Megakernel:
         for arr, host in zip(self.settings, device_settings(*sampling), strict=True):
             arr.copy_to_device(np.asarray(host, arr.dtype), stream=self.stream)
         self.position = 0
-        self.state.position.copy_to_device(np.zeros(1, np.int32), stream=self.stream)
         return int(self._launch(np.asarray(ids, np.int32))[-1])
 
     def decode(self, steps: int) -> list[int]:
         """The next `steps` tokens, each fed back by the GPU (one launch)."""
         return [int(t) for t in self._launch(np.full(steps, -1, np.int32))]
+
+    def timeline(self) -> dict:
+        """The last step's instructions on the GPU clock: {"op": [n] names, "block": [n] the block that ran each,
+        "wait", "start", "end": [n] microseconds from the step's first stamp (began waiting, began running, done)}."""
+        st = self.state.stamps.copy_to_host()
+        t0 = st.min()
+        block = np.empty(len(self.program), np.int32)
+        for b, queue in enumerate(self.schedule.queues):
+            block[queue] = b
+        return {"op": [ins.op for ins in self.program], "block": block,
+                **{k: (st[:, j] - t0) / 1e3 for j, k in enumerate(("wait", "start", "end"))}}
 
     def step_costs(self, steps: int = 32) -> tuple[float, float]:
         """(GPU ms, host ms) per decode step of a launch of `steps` (the sequence goes on: `steps` positions are
