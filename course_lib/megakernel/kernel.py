@@ -311,7 +311,8 @@ def _make_megakernel(load8):
         wo [L, H hd, d], w_gate, w_up [L, d, d_ff], w_down [L, d_ff, d], embed [V, d], head [d, V rounded up to
         8]; b_qkv [L, (H + 2 Hkv) hd] and the norms float32 (flat). x [1, d], q, attn [H hd], act [d_ff], logits
         [V]; k_cache, v_cache [L, capacity, Hkv, hd]; scores [Hkv, MAX_GROUP, capacity]; weights uint64 [V] (the
-        sampler's scratch); stamps int64 [n, 3]: for each instruction of the last step, the GPU clock (ns) when its block began waiting for it, began running it, and marked it done."""
+        sampler's scratch); stamps int64 [n, 3]: for each instruction of the last step, the GPU clock (ns) when
+        its block began waiting for it, began running it, and marked it done."""
         a = cuda.shared.array(MAX_K, dtype=float32)
         red = cuda.shared.array((WARPS, PASS_COLS), dtype=float32)
         yh = cuda.shared.array(PASS_COLS, dtype=float32)
