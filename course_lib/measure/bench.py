@@ -474,15 +474,15 @@ def format_bench(r: dict) -> str:
              f"bound: {r['bound_bandwidth'] / 1e12:.2f} TB/s, the higher of a streaming read of 1 GiB "
              f"({r['read_bandwidth'] / 1e12:.2f} TB/s) and a copy ({r['copy_bandwidth'] / 1e12:.2f} TB/s, read + "
              f"write) -> {r['bound_tokens_per_s']:,.0f} tokens/s",
-             f"{'recipe':<10}{'nb':<8}{'tok/s':>9}{'ms/tok':>9}{'GPU ms':>9}{'host ms':>9}{'kernels':>9}"
+             f"{'recipe':<12}{'nb':<8}{'tok/s':>9}{'ms/tok':>9}{'GPU ms':>9}{'host ms':>9}{'kernels':>9}"
              f"{'launches':>10}{'% bound':>9}  same text"]
     for row in r["rows"]:
-        lines.append(f"{row['recipe']:<10}{row['notebook']:<8}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>9.3f}"
+        lines.append(f"{row['recipe']:<12}{row['notebook']:<8}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>9.3f}"
                      f"{row['gpu_ms_per_token']:>9.3f}{row['host_ms_per_token']:>9.3f}{row['kernels_per_token']:>9}"
                      f"{row['host_launches_per_token']:>10.3g}{row['percent_of_bound']:>8.2f}%  "
                      f"{'yes' if row['same_text'] else 'NO'}")
     for mode, tps in r.get("peers", {}).items():
-        lines.append(f"{'torch ' + mode:<18}{tps:>9.1f}{1e3 / tps:>9.3f}{'':>37}"
+        lines.append(f"{'torch ' + mode:<20}{tps:>9.1f}{1e3 / tps:>9.3f}{'':>37}"
                      f"{100 * tps / r['bound_tokens_per_s']:>8.2f}%  (random weights, same shapes)")
     lines.append("ms/tok: wall time per token of the generator; GPU ms: kernels of one step; host ms: the host's time "
                  "to issue one step; kernels: per step; launches: host launches per token")
