@@ -178,3 +178,23 @@ def test_blocks_running_their_queues_compute_the_step(model, rng):
         twin.run(in_order)
         np.testing.assert_array_equal(by_blocks.logits, in_order.logits)
         np.testing.assert_array_equal(by_blocks.k_cache, in_order.k_cache)
+
+
+@pytest.mark.parametrize("config", [SMOLLM2_135M, LLAMA_32_1B], ids=["SmolLM2-135M", "Llama-3.2-1B"])
+def test_counters_express_every_dependency(config):
+    """Each instruction waits for whole groups (one counter each), and the groups it waits for hold exactly its
+    dependencies; a dependency on part of a group is refused."""
+    import dataclasses
+
+    from course_lib.megakernel.schedule import counter_tables
+
+    program = build_program(config, cols=16, vocab_cols=384)
+    t = counter_tables(program, config)
+    members = [set(np.flatnonzero(t["counter_of"] == c)) for c in range(len(t["sizes"]))]
+    assert [len(m) for m in members] == list(t["sizes"])
+    for i, ins in enumerate(program):
+        waited = t["waits"][t["waits_start"][i]:t["waits_start"][i + 1]]
+        assert set().union(*(members[c] for c in waited)) == set(ins.deps)
+    program[-1] = dataclasses.replace(program[-1], deps=program[-1].deps[1:])  # sample: all logits but one
+    with pytest.raises(ValueError, match="part of a group"):
+        counter_tables(program, config)

@@ -50,8 +50,8 @@ def test_megakernel_seeded_sampling_matches_reference(request):
 
 
 def test_steps_split_across_launches_give_the_same_tokens(tiny):
-    """The done flags carry an epoch per step: launches of 1, 2 and 3 steps continue one sequence as one launch
-    of 4 would (the flags are never cleared, only raised)."""
+    """The counters count every step: launches of 1 and 1 steps continue one sequence as one launch of 2 would, and
+    a new sequence starts on counters never cleared."""
     one = Megakernel(tiny, 32, weights="bf16")
     tokens = [one.prefill([5, 6])] + one.decode(2)
     many = Megakernel(tiny, 32, weights="bf16")

@@ -18,9 +18,9 @@ from ..kernels import SIMULATOR, compiled_once, cuda, sm_count
 from ..kernels.sampling import NO_TOKEN, THREADS, device_settings
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
-from .kernel import MAX_GROUP, MAX_K, PASS_COLS, SLICE_COLS, megakernel_for
+from .kernel import MAX_GROUP, MAX_K, MAX_QUEUE, PASS_COLS, SLICE_COLS, megakernel_for
 from .program import build_program
-from .schedule import assign, cost, encode
+from .schedule import assign, cost, counter_tables, encode
 
 BANDWIDTH = 3.7e12  # bytes/s the scheduler's cost model assumes (the H200's measured read bandwidth, about)
 
@@ -54,18 +54,18 @@ class MegaState:
     v_cache: object
     scores: object
     weights: object  # the sampler's scratch
-    done: object  # a flag per instruction
+    counters: object  # instructions done per group, over all steps
     stamps: object  # int64 [n, 3]: clock when each instruction of the last step was waited for, started, done
 
     @classmethod
-    def allocate(cls, config, capacity: int, n_instructions: int) -> MegaState:
+    def allocate(cls, config, capacity: int, n_instructions: int, n_counters: int) -> MegaState:
         c = config
         cache = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
         zeros = lambda shape, dtype=np.float32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
         return cls(zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
                    zeros(c.n_heads * c.head_dim), zeros(c.d_ff), zeros(c.vocab_size), zeros(cache), zeros(cache),
-                   zeros((c.n_kv_heads, MAX_GROUP, capacity)), zeros(c.vocab_size, np.uint64),
-                   zeros(n_instructions, np.int32), zeros((n_instructions, 3), np.int64))
+                   zeros((c.n_kv_heads, MAX_GROUP * capacity)), zeros(c.vocab_size, np.uint64),
+                   zeros(n_counters, np.int32), zeros((n_instructions, 3), np.int64))
 
 
 def stacked_weights(model: Model, dtype: str) -> dict:
@@ -114,14 +114,19 @@ class Megakernel:
         self.program = build_program(c, cols=cols, vocab_cols=vocab_cols)
         self.schedule = assign(self.program, cost(self.program, c, self.blocks, BANDWIDTH, context=256),
                                self.blocks)
-        self.tables = {k: cuda.to_device(v) for k, v in encode(self.program, self.schedule.queues).items()}
+        tables = encode(self.program, self.schedule.queues) | counter_tables(self.program, c)
+        longest = max(len(q) for q in self.schedule.queues)
+        if longest > MAX_QUEUE:
+            raise ValueError(f"a block's queue of {longest} instructions is longer than {MAX_QUEUE}: use more "
+                             "blocks or wider slices")
+        self.tables = {k: cuda.to_device(v) for k, v in tables.items()}
         self.w = stacked_weights(model, weights)
         self.kernel = megakernel_for(np.uint16 if weights == "bf16" else np.float32)
         cos, sin = reference.rope_tables(c, capacity)
         self.cos, self.sin = cuda.to_device(cos), cuda.to_device(sin)
-        self.state = MegaState.allocate(c, capacity, len(self.program))
+        self.state = MegaState.allocate(c, capacity, len(self.program), len(tables["sizes"]))
         self.stream = cuda.stream()
-        self.epoch = 0  # the flags' value after the last step run
+        self.epoch = 0  # steps run: the counters hold sizes x epoch
         self.settings = [cuda.to_device(a) for a in (np.zeros(2), np.zeros(2, np.int64))]
         self.position = 0  # positions of the cache filled
 
@@ -138,7 +143,8 @@ class Megakernel:
         s, w, t = self.state, self.w, self.tables
         out = cuda.device_array(steps, np.int32, stream=self.stream)
         compiled_once(self.kernel)[self.blocks, THREADS, self.stream](
-            t["ops"], t["deps_start"], t["deps"], t["queue_start"], t["queue"], s.done, np.int32(self.epoch),
+            t["ops"], t["waits_start"], t["waits"], t["counter_of"], t["sizes"], t["queue_start"], t["queue"],
+            s.counters, np.int32(self.epoch),
             cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token, np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
             w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],

@@ -111,3 +111,37 @@ def encode(program: list[Instruction], queues: list[list[int]]) -> dict[str, np.
     queue = np.array([i for q in queues for i in q], np.int32)
     check_queues(program, queues)
     return {"ops": ops, "deps_start": deps_start, "deps": deps, "queue_start": queue_start, "queue": queue}
+
+
+def producer_group(ins: Instruction, config: ModelConfig) -> tuple:
+    """The group of instructions whose completion one counter counts: a layer's instructions of one op, the qkv heads
+    of one KV group (its query heads, its key head, its value head: what one attention instruction reads)."""
+    if ins.op != "qkv":
+        return ins.op, ins.layer
+    H, Hkv, h = config.n_heads, config.n_kv_heads, ins.start
+    g = h // (H // Hkv) if h < H else (h - H if h < H + Hkv else h - H - Hkv)
+    return "qkv", ins.layer, g
+
+
+def counter_tables(program: list[Instruction], config: ModelConfig) -> dict[str, np.ndarray]:
+    """The dependencies as completion counters, the arrays the kernel reads (int32): counter_of [n]: the counter
+    instruction i adds 1 to when done; sizes [G]: the instructions counted by each counter; waits_start [n + 1],
+    waits [total]: instruction i waits until counter c reaches sizes[c] x epoch for c in
+    waits[waits_start[i]:waits_start[i + 1]]. A counter is never reset: after E steps it holds sizes[c] x E. Every
+    instruction's dependencies must be whole groups (raises otherwise): one poll per group instead of one per
+    instruction."""
+    keys = [producer_group(ins, config) for ins in program]
+    ids = {k: j for j, k in enumerate(dict.fromkeys(keys))}
+    members: dict[int, set] = {}
+    for i, k in enumerate(keys):
+        members.setdefault(ids[k], set()).add(i)
+    waits = []
+    for i, ins in enumerate(program):
+        groups = sorted({ids[keys[d]] for d in ins.deps})
+        if set().union(*(members[c] for c in groups)) != set(ins.deps):
+            raise ValueError(f"instruction {i} ({ins}) waits for part of a group: counters cannot express it")
+        waits.append(groups)
+    return {"counter_of": np.array([ids[k] for k in keys], np.int32),
+            "sizes": np.array([len(members[c]) for c in range(len(ids))], np.int32),
+            "waits_start": np.cumsum([0] + [len(w) for w in waits]).astype(np.int32),
+            "waits": np.array([c for w in waits for c in w], np.int32)}
