@@ -5,6 +5,7 @@ would never finish); on a GPU a block per SM runs the real SmolLM2, against the 
 
 import dataclasses
 
+import numpy as np
 import pytest
 from checks import as_computed
 
@@ -64,3 +65,23 @@ def test_shapes_the_megakernel_cannot_run_are_refused(tiny):
     with pytest.raises(ValueError, match="head_dim = 128"):
         check_shapes(wide)
     check_shapes(tiny.config)
+
+
+def test_the_diff_tool_names_the_first_wrong_instruction(tiny):
+    """Bisecting the step with program prefixes: clean against the twin, then a weight of layer 1's gate column 20
+    changed on the GPU: the first wrong instruction is the gate/up slice holding that column."""
+    from course_lib.kernels import cuda
+    from course_lib.megakernel import Twin
+    from course_lib.megakernel.diff import first_kernel_difference
+    from course_lib.megakernel.kernel import SLICE_COLS
+
+    mk = Megakernel(tiny, 16, weights="f32")
+    twin = Twin(tiny, 16, cols=SLICE_COLS, vocab_cols=384)
+    tokens = [7, 42]
+    assert first_kernel_difference(mk, twin, tokens, tolerance=1e-3) is None
+    c = tiny.config
+    gate = mk.w["w_gate"].copy_to_host().view(np.float32)  # [L, d, d_ff], flat
+    gate[(1 * c.d_model + 0) * c.d_ff + 20] += 5.0
+    mk.w["w_gate"] = cuda.to_device(gate.view(np.uint32))
+    index, ins, buffer, gap = first_kernel_difference(mk, twin, tokens, tolerance=1e-3)
+    assert (ins.op, ins.layer, ins.start) == ("gate_up", 1, 16) and buffer == "act" and gap > 1e-3

@@ -140,18 +140,35 @@ class Megakernel:
         if self.position + steps > self.capacity:
             raise ValueError(f"{self.position} + {steps} positions exceed the megakernel's capacity of "
                              f"{self.capacity}")
-        s, w, t = self.state, self.w, self.tables
-        out = cuda.device_array(steps, np.int32, stream=self.stream)
-        compiled_once(self.kernel)[self.blocks, THREADS, self.stream](
+        out = self._run(self.tables, self.state.counters, self.epoch, self.blocks, feed)
+        self.epoch += steps
+        self.position += steps
+        return out
+
+    def _run(self, t: dict, counters, epoch: int, blocks: int, feed):
+        """The launch of the program and schedule `t` (device arrays) on `blocks` blocks, from the current position
+        (not advanced here); -> the device array of the tokens the steps choose."""
+        s, w = self.state, self.w
+        out = cuda.device_array(len(feed), np.int32, stream=self.stream)
+        compiled_once(self.kernel)[blocks, THREADS, self.stream](
             t["ops"], t["waits_start"], t["waits"], t["counter_of"], t["sizes"], t["queue_start"], t["queue"],
-            s.counters, np.int32(self.epoch),
+            counters, np.int32(epoch),
             cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token, np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
             w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],
             s.x, s.q, s.attn, s.act, s.logits, s.k_cache, s.v_cache, s.scores, s.weights, s.stamps)
-        self.epoch += steps
-        self.position += steps
         return out
+
+    def run_prefix(self, token: int, n: int) -> None:
+        """Instructions 0 .. n - 1 of one step for `token` at the current position, in program order on one block,
+        with counters of their own (the position does not advance). How `diff.first_kernel_difference` looks inside a
+        step."""
+        prefix = self.program[:n]
+        tables = encode(prefix, [list(range(n))]) | counter_tables(prefix, self.config)
+        tables = {k: cuda.to_device(v, stream=self.stream) for k, v in tables.items()}
+        counters = cuda.to_device(np.zeros(len(tables["sizes"]), np.int32), stream=self.stream)
+        self._run(tables, counters, 0, 1, [token])
+        self.stream.synchronize()
 
     def prefill(self, ids, sampling=(0.0, None, None, 0)) -> int:
         """Start a sequence: the prompt's tokens fed one step each (one launch), -> the token chosen after them
