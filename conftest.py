@@ -10,7 +10,8 @@ import pytest
 GPU_SUITE = {"test_kernels.py", "test_paged.py", "test_cuda_backend.py", "test_paged_backend.py", "test_recipes.py",
              "test_tolerances.py", "test_generate.py", "test_kernel_cache.py",
              "test_batch.py", "test_fused.py", "test_megakernel_kernel.py"}
-LONGEST_FIRST = ["06_launches.ipynb", "05_fused_operations.ipynb", "03_a_cache_that_no_longer_grows.ipynb",
+LONGEST_FIRST = ["06_launches.ipynb", "05_fused_operations.ipynb", "test_megakernel_kernel.py",
+                 "03_a_cache_that_no_longer_grows.ipynb",
                  "04_flash_decoding.ipynb",
                  "test_recipes.py", "02_narrow_matrices.ipynb", "test_paged_backend.py",
                  "01_where_the_time_goes.ipynb", "test_cuda_backend.py"]
