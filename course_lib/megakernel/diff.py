@@ -16,7 +16,7 @@ import numpy as np
 
 from .program import Instruction
 from .runner import Megakernel
-from .twin import Twin, TwinState
+from .twin import Twin, TwinState, largest_gap
 
 COMPARED = ("x", "q", "attn", "act", "logits", "k_cache", "v_cache", "token")  # the buffers both sides hold
 
@@ -38,17 +38,17 @@ def restore(mk: Megakernel, state: TwinState) -> None:
     s.token.copy_to_device(state.token.astype(np.int32))
 
 
-def largest_gap(a: TwinState, b: TwinState, position: int) -> tuple[str, float]:
-    """(buffer, largest |a - b|) over the buffers both sides hold, the caches compared at rows 0 .. position (a NaN
-    against a number counts as infinite)."""
+def widest_gap(a: TwinState, b: TwinState, position: int) -> tuple[str, float]:
+    """(buffer, largest |a - b|) over the buffers both sides hold, the caches compared at rows 0 .. position
+    (twin.largest_gap: a NaN against a number counts as infinite)."""
     worst = ("", 0.0)
     for name in COMPARED:
-        x, y = (getattr(st, name).astype(np.float64) for st in (a, b))
+        x, y = getattr(a, name), getattr(b, name)
         if name in ("k_cache", "v_cache"):
             x, y = x[:, :position + 1], y[:, :position + 1]
-        gap = np.where(np.isnan(x) & np.isnan(y), 0.0, np.nan_to_num(np.abs(x - y), nan=np.inf))
-        if gap.size and gap.max() > worst[1]:
-            worst = (name, float(gap.max()))
+        gap = largest_gap(x, y)
+        if gap > worst[1]:
+            worst = (name, gap)
     return worst
 
 
@@ -74,7 +74,7 @@ def first_kernel_difference(mk: Megakernel, twin: Twin, tokens: list[int], toler
         mk.run_prefix(tokens[-1], n)
         expected = copy.deepcopy(state)
         twin.run(expected, range(n))
-        name, gap = largest_gap(kernel_state(mk, expected), expected, position)
+        name, gap = widest_gap(kernel_state(mk, expected), expected, position)
         return (name, gap) if gap > tolerance else None
 
     if differs(len(program)) is None:

@@ -35,7 +35,8 @@ import numpy as np
 from numba import float32, int32
 
 from ..kernels import SIMULATOR, cuda
-from ..kernels.elementwise import FULL_MASK, block_max, block_sum, row_rms, segment_sum, silu_times
+from ..kernels.elementwise import FULL_MASK, block_max, block_sum, segment_sum, silu_times
+from ..kernels.narrow import normed_row
 from ..kernels.sampling import THREADS, choose
 from ..kernels.vector import bf16x8, f32x8
 from .schedule import OPCODES
@@ -128,16 +129,6 @@ def _column_dot_for(load8, team):
         cuda.syncthreads()  # y is written, red free again
 
     return column_dot
-
-
-@cuda.jit(device=True)
-def load_normed(x, gamma, g0, eps, a, scratch):
-    """a[j] = x[0, j] / rms(x[0]) * gamma[g0 + j] for the d entries of x [1, d] (RMSNorm into shared memory, the
-    rms as rms_norm computes it)."""
-    rms = row_rms(x, 0, eps, scratch)
-    for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-        a[j] = x[0, j] / rms * gamma[g0 + j]
-    cuda.syncthreads()
 
 
 @cuda.jit(device=True)
@@ -240,7 +231,7 @@ def _ops_for(load8):
         d, hd = x.shape[1], cos.shape[1] * 2
         N = bias.shape[1]
         H, Hkv = q.shape[0] // hd, k_cache.shape[2]
-        load_normed(x, norm, layer * d, eps, a, scratch)
+        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a)
         head_dot(a, d, w, layer * d * N, N, h * hd, red, yh)
         half = hd // 2
         for e in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
@@ -288,7 +279,7 @@ def _ops_for(load8):
     def op_gate_up(layer, c0, c1, x, norm, eps, w_gate, w_up, act, a, red, gate, up, scratch):
         """act[c] = silu(h @ w_gate[:, c]) * (h @ w_up[:, c]) for c0 <= c < c1, h the normalized x."""
         d, d_ff = x.shape[1], act.shape[0]
-        load_normed(x, norm, layer * d, eps, a, scratch)
+        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a)
         for c in range(c0, c1, SLICE_COLS):
             slice_dot(a, d, w_gate, layer * d * d_ff, d_ff, c, red, gate)
             slice_dot(a, d, w_up, layer * d * d_ff, d_ff, c, red, up)
@@ -300,7 +291,7 @@ def _ops_for(load8):
         """logits[n] = h @ head[:, n] for c0 <= n < c1 (head [d, V rounded up to 8]), h the normalized x."""
         d = x.shape[1]
         V8 = (logits.shape[0] + 7) // 8 * 8  # the head's padded width
-        load_normed(x, norm, 0, eps, a, scratch)
+        normed_row(x, norm, eps, a)
         for c in range(c0, c1, PASS_COLS):
             head_dot(a, d, head, 0, V8, c, red, y)
             for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):

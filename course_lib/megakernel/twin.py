@@ -189,16 +189,20 @@ def random_order(program: list[Instruction], rng: np.random.Generator) -> list[i
     return order
 
 
+def largest_gap(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| (0 for no element; two NaNs agree, a NaN against a number is infinitely far)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    gaps = np.where(np.isnan(a) & np.isnan(b), 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+    return float(np.max(gaps, initial=0.0))
+
+
 def first_difference(program, trace_a, trace_b, tolerance: float) -> tuple[int, Instruction, float] | None:
     """The first instruction, in program order, whose output differs by more than `tolerance` between two traces
     (int outputs, exactly; a NaN against a number, infinitely): (index, instruction, largest difference), or None
     when they agree."""
     for i, ins in enumerate(program):
         for a, b in zip(trace_a[i], trace_b[i], strict=True):
-            a, b = a.astype(np.float64), b.astype(np.float64)
-            both_nan = np.isnan(a) & np.isnan(b)
-            gaps = np.where(both_nan, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
-            diff = float(np.max(gaps, initial=0.0))
+            diff = largest_gap(a, b)
             if diff > (tolerance if trace_a[i][0].dtype.kind == "f" else 0):
                 return i, ins, diff
     return None
