@@ -654,6 +654,13 @@ for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-deco
             jobs.append((f"flash_decode_rows[{dt}, G={group}, hd={hd}]", rows,
                          f"void({F3}, {U1}, {U1}, int32[:, ::1], {I1}, {I1}, int64, int64, float32, {F3}, {F4}, "
                          f"{F3}, {F3}, {I1})"))
+from course_lib.megakernel.kernel import megakernel_for  # noqa: E402
+I2, U1 = "int32[:, ::1]", "uint32[::1]"
+for dtype in (np.float32, np.uint16):  # the megakernel, for each kind of weights
+    jobs.append((f"megakernel[{np.dtype(dtype)}]", megakernel_for(dtype),
+                 f"void({I2}, {', '.join([I1] * 7)}, int32, {I1}, {I1}, {I1}, int32, float64[::1], int64[::1], "
+                 f"float32, {F2}, {F2}, {U1}, {F1}, {U1}, {F2}, {U1}, {F1}, {U1}, {U1}, {U1}, {F1}, {U1}, {F2}, "
+                 f"{F1}, {F1}, {F1}, {F1}, {F4}, {F4}, {F2}, uint64[::1], int64[:, ::1])"))
 jobs.append(("merge_chunks", paged_attention.merge_chunks, f"void({F4}, {F3}, {F3}, {I1}, int64, int64, {F3})"))
 ptxas = shutil.which("ptxas")
 verbose = os.environ.get("PTXAS_VERBOSE") == "1"  # registers and spills of each kernel, printed
@@ -661,7 +668,7 @@ failed = 0
 for name, kernel, sig in jobs:
     try:
         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-        if not name.startswith("sample_"):  # the sampler's draw and its thresholds are float64 on purpose
+        if not name.startswith(("sample_", "megakernel")):  # the sampler's draw and thresholds: float64 on purpose
             assert ".f64" not in ptx, "float64 arithmetic (a float literal without float32(...)?)"
         if ptxas:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:

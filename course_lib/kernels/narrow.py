@@ -278,11 +278,11 @@ def _make_split_k(rows, width, load, bias_f32, accumulate, normed, chunked):
 
 
 @cuda.jit(device=True)
-def normed_row(a, gamma, eps, h):
+def normed_row(a, gamma, eps, h, scratch):
     """h[k] = a[0, k] / rms(a[0]) * gamma[k] (rms_norm's bits, elementwise.row_rms) for k < K, in shared memory,
-    for every thread of the block (all call): the transposed kernels read the normalized row from there, normalized
-    once per block rather than once per output (49,152 outputs of the logits, a division each)."""
-    scratch = cuda.shared.array(32, dtype=float32)
+    for every thread of the block (all call; scratch: shared float32 [32]): the transposed kernels read the
+    normalized row from there, normalized once per block rather than once per output (49,152 outputs of the
+    logits, a division each)."""
     rms = row_rms(a, 0, eps, scratch)
     for k in range(cuda.threadIdx.x, a.shape[1], cuda.blockDim.x):
         h[k] = a[0, k] / rms * gamma[k]
@@ -300,7 +300,7 @@ def _make_transposed(rows, to_f32, normed):
         N, K = b.shape[0], b.shape[1]
         lane = cuda.threadIdx.x % 32
         if normed:
-            normed_row(a, gamma, eps, h)
+            normed_row(a, gamma, eps, h, cuda.shared.array(32, dtype=float32))
         for n in range(cuda.grid(1) // 32, N, cuda.gridsize(1) // 32):  # the same n for the whole warp
             for r in range(rows):
                 acc[r] = float32(0)
@@ -347,7 +347,7 @@ def _make_transposed_vec(rows, load8, normed):
         lane, teams = cuda.threadIdx.x % 32, 32 // TEAM
         j0, warp, warps = lane % TEAM, cuda.grid(1) // 32, cuda.gridsize(1) // 32
         if normed:
-            normed_row(a, gamma, eps, h)
+            normed_row(a, gamma, eps, h, cuda.shared.array(32, dtype=float32))
         for n0 in range(warp * teams, N, warps * teams):  # rows n0 .. n0 + 3 for this warp
             n = n0 + lane // TEAM
             for r in range(rows):

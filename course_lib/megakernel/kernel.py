@@ -231,7 +231,7 @@ def _ops_for(load8):
         d, hd = x.shape[1], cos.shape[1] * 2
         N = bias.shape[1]
         H, Hkv = q.shape[0] // hd, k_cache.shape[2]
-        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a)
+        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a, scratch)
         head_dot(a, d, w, layer * d * N, N, h * hd, red, yh)
         half = hd // 2
         for e in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
@@ -279,7 +279,7 @@ def _ops_for(load8):
     def op_gate_up(layer, c0, c1, x, norm, eps, w_gate, w_up, act, a, red, gate, up, scratch):
         """act[c] = silu(h @ w_gate[:, c]) * (h @ w_up[:, c]) for c0 <= c < c1, h the normalized x."""
         d, d_ff = x.shape[1], act.shape[0]
-        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a)
+        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a, scratch)
         for c in range(c0, c1, SLICE_COLS):
             slice_dot(a, d, w_gate, layer * d * d_ff, d_ff, c, red, gate)
             slice_dot(a, d, w_up, layer * d * d_ff, d_ff, c, red, up)
@@ -291,7 +291,7 @@ def _ops_for(load8):
         """logits[n] = h @ head[:, n] for c0 <= n < c1 (head [d, V rounded up to 8]), h the normalized x."""
         d = x.shape[1]
         V8 = (logits.shape[0] + 7) // 8 * 8  # the head's padded width
-        normed_row(x, norm, eps, a)
+        normed_row(x, norm, eps, a, scratch)
         for c in range(c0, c1, PASS_COLS):
             head_dot(a, d, head, 0, V8, c, red, y)
             for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):
