@@ -19,10 +19,13 @@ computed), then each step embeds the token the previous one chose. No block wait
 later in (step, program order), so the blocks cannot deadlock as long as they all run at once (one per SM). In
 the simulator the blocks run one after another: the kernel runs there with one block, whose queue is the program.
 
-Every matmul instruction reads its activation row into shared memory once and a slice of output columns of a
-[K, N] weight (a team of lanes reads 16 contiguous bytes each of a bf16 row, the block's teams take rows k,
-k + teams, ..., all the loads of a short K in flight at once), then adds the teams' sums in a fixed order: the same
-bits whichever block runs the instruction and whatever the other blocks do.
+Every matmul instruction starts by loading its first weights (up to PREFETCH rows of each thread's share, the
+whole slice for SmolLM2) into registers, before it waits: weights depend on no other instruction, so they arrive
+while the block waits, and what is left once the inputs are ready is a short chain: the activation row into shared
+memory, the FMAs, the reduction. A team of lanes reads 16 contiguous bytes each of a bf16 row, the block's teams
+take rows k, k + teams, ..., and the teams' sums are added in a fixed order: the same bits whichever block runs the
+instruction and whatever the other blocks do. An instruction of several passes (the logits' 384 columns) issues the
+next pass's loads before the current pass's reduction.
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ import numpy as np
 from numba import float32, int32
 
 from ..kernels import SIMULATOR, cuda
-from ..kernels.elementwise import FULL_MASK, block_max, block_sum, segment_sum, silu_times
-from ..kernels.narrow import normed_row
+from ..kernels.elementwise import FULL_MASK, NORM_THREADS, block_max, block_sum, segment_sum, silu_times
 from ..kernels.sampling import THREADS, choose
 from ..kernels.vector import bf16x8, f32x8
 from .schedule import OPCODES
@@ -45,17 +47,20 @@ EMBED, QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, LOGITS, SAMPLE = (
     OPCODES[op] for op in ("embed", "qkv", "attention", "o_proj", "gate_up", "down", "logits", "sample"))
 HEAD_TEAM = 8  # lanes per weight row in a qkv instruction: 64 columns a pass, a whole head of up to 64
 PASS_COLS = 8 * HEAD_TEAM
+ROPE_PAIRS = PASS_COLS // 2  # a head's rotated pairs at most (hd <= PASS_COLS)
 SLICE_TEAM = 2  # lanes per weight row in the other matmul instructions: slices of 16 columns, so that a layer's
 # matmuls are cut in enough instructions to keep every SM reading
 SLICE_COLS = 8 * SLICE_TEAM
 UNROLL = 8  # weight loads in flight per thread
+PREFETCH = 9  # rows of a thread's share of a slice loaded before the instruction waits: a whole qkv head of SmolLM2
+# (576 rows for 64 teams of 8 lanes), gate and up of a 16-column slice (3 + 3), a down slice (6)
 MAX_K = 8192  # the longest activation row a matmul instruction reads (Llama-3.2-1B's d_ff): 32 KB of shared memory
-MAX_GROUP = 8  # query heads per KV head at most
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
 POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer atomics crowding the L2 cache
+ROW_LOADS = 4  # activations loaded per thread at once (a row of up to 2,048 in one round trip on 512 threads)
 ROWS_IN_FLIGHT = 8  # cache rows whose loads attention issues before using them
-QUERY_AT = THREADS * MAX_GROUP  # attention's layout of the shared row: the values' partial sums, then the queries,
-SCORES_AT = QUERY_AT + MAX_GROUP * 64  # then the scores (while group x keys fit)
+QUERY_AT = THREADS  # attention's layout of the shared row: the values' partial sums, then the query,
+SCORES_AT = QUERY_AT + 64  # then the scores (while they fit)
 WARPS = THREADS // 32
 LOADERS = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}  # 8 weights from a uint32 view of the array
 
@@ -80,38 +85,62 @@ else:
         return types.int64(), codegen
 
 
-# ---- the block's work on a slice of a matmul ----
+# ---- the block's work on a slice of a matmul: fetch (before waiting), accumulate, reduce ----
 
 @functools.cache
-def _column_dot_for(load8, team):
-    cols = 8 * team  # columns of a pass
+def _slice_matmul_for(load8, team):
+    """(fetch, accumulate, reduce) for slices of 8 team columns of a [K, N] weight w seen as uint32 words (N and the
+    slice's first column c0 multiples of 8). A team of `team` lanes reads 16 team contiguous bytes of a bf16 row; the
+    block's teams take rows k, k + teams, ... (thread tid: rows tid // team + u teams). A thread's first rows come
+    from `fetch`, issued before the instruction waits for its inputs (the weights depend on nothing); the rest, if
+    any, are loaded by `accumulate`, UNROLL rows in flight. Every thread calls each."""
+    cols = 8 * team
 
     @cuda.jit(device=True)
-    def column_dot(a, K, w, base, N, c0, red, y):
-        """y[c] = sum_k a[k] w[base + k N + c0 + c] for the 8 team columns c0 .. c0 + 8 team - 1 (those < N). a: shared
-        float32 [>= K], the activations; w: the weights seen as uint32 words (N and c0 multiples of 8); red: shared
-        float32 [WARPS, >= 8 team]; y: shared float32 [>= 8 team]. A team of `team` lanes reads 16 team contiguous
-        bytes of a bf16 row; the block's teams take rows k, k + teams, ..., UNROLL rows' loads in flight per thread
-        before their FMAs (the loads of a short K all at once). Every thread calls."""
-        acc = cuda.local.array(8, dtype=float32)
-        buf = cuda.local.array((UNROLL, 8), dtype=float32)
+    def fetch(w, base, N, c0, K, buf, u0):
+        """buf[u0 + u, :] = the thread's 8 weights of row tid // team + u teams, for u < PREFETCH - u0 (rows < K)."""
         tid = cuda.threadIdx.x
-        lane, teams = tid % team, cuda.blockDim.x // team
-        col = c0 + 8 * lane
+        teams, col = cuda.blockDim.x // team, c0 + 8 * (tid % team)
+        for u in range(PREFETCH):
+            k = tid // team + (u - u0) * teams
+            if u >= u0 and k < K and col < N:
+                v = load8(w, (base + k * N + col) // 8)
+                for c in range(8):
+                    buf[u, c] = v[c]
+
+    @cuda.jit(device=True)
+    def accumulate(a, K, w, base, N, c0, buf, u0, acc):
+        """acc[c] = sum over the thread's rows k of a[k] w[k, c0 + 8 lane + c] (a: shared float32 [>= K]), rows in
+        increasing order: the fetched ones from buf (rows u0 ..), the others loaded here."""
+        tid = cuda.threadIdx.x
+        teams, col = cuda.blockDim.x // team, c0 + 8 * (tid % team)
         for c in range(8):
             acc[c] = float32(0)
         if col < N:
-            for k0 in range(tid // team, K, UNROLL * teams):
+            for u in range(PREFETCH):
+                k = tid // team + (u - u0) * teams
+                if u >= u0 and k < K:
+                    x = a[k]
+                    for c in range(8):
+                        acc[c] += x * buf[u, c]
+            tail = cuda.local.array((UNROLL, 8), dtype=float32)
+            for k0 in range(tid // team + (PREFETCH - u0) * teams, K, UNROLL * teams):
                 for u in range(UNROLL):
                     if k0 + u * teams < K:
                         v = load8(w, (base + (k0 + u * teams) * N + col) // 8)
                         for c in range(8):
-                            buf[u, c] = v[c]
+                            tail[u, c] = v[c]
                 for u in range(UNROLL):
                     if k0 + u * teams < K:
                         x = a[k0 + u * teams]
                         for c in range(8):
-                            acc[c] += x * buf[u, c]
+                            acc[c] += x * tail[u, c]
+
+    @cuda.jit(device=True)
+    def reduce(acc, red, y):
+        """y[8 lane + c] = the sum of acc[c] over the block's teams, in a fixed order (red: shared float32 [WARPS,
+        >= 8 team]; y: shared float32 [>= 8 team])."""
+        tid = cuda.threadIdx.x
         offset = team  # the teams of a warp: lanes l, l ^ team, l ^ 2 team, ... hold the same columns
         while offset < 32:
             for c in range(8):
@@ -119,7 +148,7 @@ def _column_dot_for(load8, team):
             offset *= 2
         if tid % 32 < team:
             for c in range(8):
-                red[tid // 32, 8 * lane + c] = acc[c]
+                red[tid // 32, 8 * (tid % team) + c] = acc[c]
         cuda.syncthreads()
         for c in range(tid, cols, cuda.blockDim.x):
             v = float32(0)
@@ -128,31 +157,72 @@ def _column_dot_for(load8, team):
             y[c] = v
         cuda.syncthreads()  # y is written, red free again
 
-    return column_dot
+    return fetch, accumulate, reduce
+
+
+@cuda.jit(device=True)
+def held_rows(K, team):
+    """How many of buf's rows a thread's share of a K-row slice fills (at most PREFETCH)."""
+    teams = cuda.blockDim.x // team
+    return min(PREFETCH, (K + teams - 1) // teams)
 
 
 @cuda.jit(device=True)
 def load_row(src, n, a):
-    """a[j] = src[j] for j < n (an activation row into shared memory)."""
-    for j in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-        a[j] = src[j]
+    """a[j] = src[j] for j < n (an activation row into shared memory): ROW_LOADS loads in flight per thread, then
+    their stores (a row of up to ROW_LOADS x THREADS in one memory round trip)."""
+    tid, T = cuda.threadIdx.x, cuda.blockDim.x
+    v = cuda.local.array(ROW_LOADS, dtype=float32)
+    for j0 in range(tid, n, ROW_LOADS * T):
+        for u in range(ROW_LOADS):
+            if j0 + u * T < n:
+                v[u] = src[j0 + u * T]
+        for u in range(ROW_LOADS):
+            if j0 + u * T < n:
+                a[j0 + u * T] = v[u]
     cuda.syncthreads()
 
 
 @cuda.jit(device=True)
-def attend(layer, g, p, qs, k_cache, v_cache, sc, attn, big, scratch):
-    """op_attention's three passes, the scores of head h and key t in sc[h (p + 1) + t]: scores (a warp per key,
-    ROWS_IN_FLIGHT keys' loads at a time) and their maximum; exponentials and their sum; values (thread (slice, e)
-    adds column e of the rows slice, slice + slices, ...; the slices' sums added in order through big)."""
-    hd, Hkv = k_cache.shape[3], k_cache.shape[2]
-    group = attn.shape[0] // hd // Hkv
+def fetch_gamma(norm, g0, d, gamma):
+    """gamma[u] = norm[g0 + tid + u T] for u < ROW_LOADS (those < d): a norm's weights, loaded before waiting."""
+    tid, T = cuda.threadIdx.x, cuda.blockDim.x
+    for u in range(ROW_LOADS):
+        if tid + u * T < d:
+            gamma[u] = norm[g0 + tid + u * T]
+
+
+@cuda.jit(device=True)
+def normed_row(x, norm, g0, eps, gamma, a, scratch):
+    """a[k] = x[0, k] / rms(x[0]) * norm[g0 + k] for k < d (RMSNorm into shared memory, the sum of squares in
+    elementwise.row_rms's order: the same bits as rms_norm); gamma: the thread's fetched norm weights (the first
+    ROW_LOADS T of them)."""
+    d, tid, T = x.shape[1], cuda.threadIdx.x, cuda.blockDim.x
+    load_row(x[0], d, a)
+    sum_sq = float32(0)
+    if tid < NORM_THREADS:
+        for j in range(tid, d, NORM_THREADS):
+            sum_sq += a[j] * a[j]
+    sum_sq = block_sum(sum_sq, scratch)
+    rms = float32(math.sqrt(sum_sq / float32(d) + eps))
+    for u in range(ROW_LOADS):
+        if tid + u * T < d:
+            a[tid + u * T] = a[tid + u * T] / rms * gamma[u]
+    for k in range(tid + ROW_LOADS * T, d, T):
+        a[k] = a[k] / rms * norm[g0 + k]
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def attend(layer, g, p, qs, k_cache, v_cache, sc, out, big, scratch):
+    """softmax(qs . k_t) v_t over the cache rows t <= p of KV head g into out [hd], the scores in sc [>= p + 1]:
+    scores (a warp per key, ROWS_IN_FLIGHT keys' loads at a time) and their maximum; exponentials and their sum;
+    values (thread (slice, e) adds column e of the rows slice, slice + slices, ...; the slices' sums added in order
+    through big [>= THREADS])."""
+    hd = k_cache.shape[3]
     tid, T, n = cuda.threadIdx.x, cuda.blockDim.x, p + 1
-    best = cuda.local.array(MAX_GROUP, dtype=float32)
-    total = cuda.local.array(MAX_GROUP, dtype=float32)
-    for h in range(group):
-        best[h] = float32(-math.inf)
-        total[h] = float32(0)
     lane, warp = tid % 32, tid // 32
+    best = float32(-math.inf)
     kbuf = cuda.local.array((ROWS_IN_FLIGHT, 2), dtype=float32)  # a lane's (up to) 2 elements of each key
     for t0 in range(warp * ROWS_IN_FLIGHT, n, T // 32 * ROWS_IN_FLIGHT):
         for u in range(ROWS_IN_FLIGHT):
@@ -160,56 +230,48 @@ def attend(layer, g, p, qs, k_cache, v_cache, sc, attn, big, scratch):
                 e = lane + 32 * j
                 kbuf[u, j] = k_cache[layer, t0 + u, g, e] if t0 + u < n and e < hd else float32(0)
         for u in range(ROWS_IN_FLIGHT):
-            for h in range(group):
-                s = float32(0)
-                for j in range(2):
-                    if lane + 32 * j < hd:
-                        s += qs[h * hd + lane + 32 * j] * kbuf[u, j]
-                s = segment_sum(s, 32)
-                if t0 + u < n:
-                    if lane == 0:
-                        sc[h * n + t0 + u] = s
-                    best[h] = max(best[h], s)
-    for h in range(group):
-        best[h] = block_max(best[h], scratch)  # its barriers also publish the scores to the block
+            s = float32(0)
+            for j in range(2):
+                if lane + 32 * j < hd:
+                    s += qs[lane + 32 * j] * kbuf[u, j]
+            s = segment_sum(s, 32)
+            if t0 + u < n:
+                if lane == 0:
+                    sc[t0 + u] = s
+                best = max(best, s)
+    best = block_max(best, scratch)  # its barriers also publish the scores to the block
+    total = float32(0)
     for t in range(tid, n, T):
-        for h in range(group):
-            e = float32(math.exp(sc[h * n + t] - best[h]))
-            sc[h * n + t] = e
-            total[h] += e
-    for h in range(group):
-        total[h] = block_sum(total[h], scratch)  # and the exponentials
+        e = float32(math.exp(sc[t] - best))
+        sc[t] = e
+        total += e
+    total = block_sum(total, scratch)  # and the exponentials
     slices = T // hd
     if tid < slices * hd:
         sl, e = tid // hd, tid % hd
-        acc = cuda.local.array(MAX_GROUP, dtype=float32)
-        for h in range(group):
-            acc[h] = float32(0)
+        acc = float32(0)
         vbuf = cuda.local.array(ROWS_IN_FLIGHT, dtype=float32)
         for t0 in range(sl, n, slices * ROWS_IN_FLIGHT):  # the loads of ROWS_IN_FLIGHT rows, then their FMAs
             for u in range(ROWS_IN_FLIGHT):
                 t = t0 + u * slices
                 vbuf[u] = v_cache[layer, t, g, e] if t < n else float32(0)
             for u in range(ROWS_IN_FLIGHT):
-                t = t0 + u * slices
-                if t < n:
-                    for h in range(group):
-                        acc[h] += sc[h * n + t] * vbuf[u]
-        for h in range(group):
-            big[tid * MAX_GROUP + h] = acc[h]
+                if t0 + u * slices < n:
+                    acc += sc[t0 + u * slices] * vbuf[u]
+        big[tid] = acc
     cuda.syncthreads()
-    for j in range(tid, group * hd, T):
-        h, e = j // hd, j % hd
+    for e in range(tid, hd, T):
         s = float32(0)
         for sl in range(slices):
-            s += big[(sl * hd + e) * MAX_GROUP + h]
-        attn[g * group * hd + j] = s / total[h]
+            s += big[sl * hd + e]
+        out[e] = s / total
 
 
 # ---- the operations: device functions of (instruction, buffers), every thread of the block calls ----
 
 def _ops_for(load8):
-    head_dot, slice_dot = _column_dot_for(load8, HEAD_TEAM), _column_dot_for(load8, SLICE_TEAM)
+    head_fetch, head_accumulate, head_reduce = _slice_matmul_for(load8, HEAD_TEAM)
+    slice_fetch, slice_accumulate, slice_reduce = _slice_matmul_for(load8, SLICE_TEAM)
 
     @cuda.jit(device=True)
     def op_embed(token, table, x):
@@ -225,21 +287,51 @@ def _ops_for(load8):
                     x[0, 8 * i8 + c] = float32(math.nan)
 
     @cuda.jit(device=True)
-    def op_qkv(layer, h, p, x, norm, eps, w, bias, cos, sin, q, k_cache, v_cache, a, yh, red, scratch):
+    def fetch(op, layer, h_or_c0, p, x, q, act, logits, bias, cos, sin, attn_norm, mlp_norm, final_norm, w_qkv, wo,
+              w_gate, w_up, w_down, head, buf, gamma, rope):
+        """What a matmul instruction reads that no other instruction writes, loaded before it waits for its inputs
+        (it arrives while the block waits): the first weights of its slice into buf (see _slice_matmul_for), its
+        norm's weights into gamma, and for a qkv head its bias and its RoPE angles at position p into rope [4,
+        >= hd / 2] (shared; by the block's last threads: the first ones poll the counters)."""
+        d, d_ff, hd, N = x.shape[1], act.shape[0], cos.shape[1] * 2, bias.shape[1]
+        tid, T, half = cuda.threadIdx.x, cuda.blockDim.x, cos.shape[1]
+        if op == QKV:
+            h = h_or_c0
+            head_fetch(w_qkv, layer * d * N, N, h * hd, d, buf, 0)
+            fetch_gamma(attn_norm, layer * d, d, gamma)
+            for i in range(T - 1 - tid, half, T):
+                rope[0, i], rope[1, i] = bias[layer, h * hd + i], bias[layer, h * hd + i + half]
+                rope[2, i], rope[3, i] = cos[p, i], sin[p, i]
+        elif op == O_PROJ:
+            slice_fetch(wo, layer * q.shape[0] * d, d, h_or_c0, q.shape[0], buf, 0)
+        elif op == GATE_UP:
+            slice_fetch(w_gate, layer * d * d_ff, d_ff, h_or_c0, d, buf, 0)
+            slice_fetch(w_up, layer * d * d_ff, d_ff, h_or_c0, d, buf, held_rows(d, SLICE_TEAM))
+            fetch_gamma(mlp_norm, layer * d, d, gamma)
+        elif op == DOWN:
+            slice_fetch(w_down, layer * d_ff * d, d, h_or_c0, d_ff, buf, 0)
+        else:  # LOGITS
+            head_fetch(head, 0, (logits.shape[0] + 7) // 8 * 8, h_or_c0, d, buf, 0)
+            fetch_gamma(final_norm, 0, d, gamma)
+
+    @cuda.jit(device=True)
+    def op_qkv(layer, h, p, x, norm, eps, w, q, k_cache, v_cache, a, buf, gamma, rope, yh, red, scratch):
         """Head h of [q | k | v] (H + 2 Hkv heads of hd <= 64 columns) from the normalized x, + bias, RoPE at
-        position p for q and k; q to q[h hd ...], k and v to row p of the layer's cache [L, capacity, Hkv, hd]."""
-        d, hd = x.shape[1], cos.shape[1] * 2
-        N = bias.shape[1]
-        H, Hkv = q.shape[0] // hd, k_cache.shape[2]
-        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a, scratch)
-        head_dot(a, d, w, layer * d * N, N, h * hd, red, yh)
-        half = hd // 2
+        position p for q and k (bias and angles fetched in rope); q to q[h hd ...], k and v to row p of the layer's
+        cache [L, capacity, Hkv, hd]."""
+        d, hd, Hkv = x.shape[1], k_cache.shape[3], k_cache.shape[2]
+        H, half = q.shape[0] // hd, hd // 2
+        N = (H + 2 * Hkv) * hd
+        acc = cuda.local.array(8, dtype=float32)
+        normed_row(x, norm, layer * d, eps, gamma, a, scratch)
+        head_accumulate(a, d, w, layer * d * N, N, h * hd, buf, 0, acc)
+        head_reduce(acc, red, yh)
         for e in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-            v = yh[e] + bias[layer, h * hd + e]
+            i = e % half
+            y0, y1 = yh[i] + rope[0, i], yh[i + half] + rope[1, i]
+            v = y0 if e < half else y1
             if h < H + Hkv:  # q and k heads: rotate the pair (i, i + hd / 2)
-                i = e % half
-                c, s = cos[p, i], sin[p, i]
-                y0, y1 = yh[i] + bias[layer, h * hd + i], yh[i + half] + bias[layer, h * hd + i + half]
+                c, s = rope[2, i], rope[3, i]
                 v = y0 * c - y1 * s if e < half else y0 * s + y1 * c
             if h < H:
                 q[h * hd + e] = v
@@ -249,61 +341,81 @@ def _ops_for(load8):
                 v_cache[layer, p, h - H - Hkv, e] = v
 
     @cuda.jit(device=True)
-    def op_attention(layer, g, p, q, k_cache, v_cache, scores, attn, big, scratch):
-        """The query heads of KV head g (group of them) against cache rows 0 .. p: softmax(q k / sqrt(hd)) v into
-        attn. big: shared float32 [MAX_K]: the partial sums of the values, the queries, and the scores when they fit
-        (group (p + 1) <= MAX_K - SCORES_AT), else in scores[g], global scratch [Hkv, MAX_GROUP capacity]. hd <= 64."""
+    def op_attention(layer, h, p, q, k_cache, v_cache, scores, attn, big, scratch):
+        """Query head h against cache rows 0 .. p of its KV head: softmax(q k / sqrt(hd)) v into attn[h hd ...].
+        big: shared float32 [MAX_K]: the partial sums of the values, the query, and the scores when they fit
+        (p + 1 <= MAX_K - SCORES_AT), else in scores[h], global scratch [H, capacity]. hd <= 64."""
         hd, Hkv = k_cache.shape[3], k_cache.shape[2]
-        group = q.shape[0] // hd // Hkv
-        qs = big[QUERY_AT:SCORES_AT]  # the group's queries, scaled by 1 / sqrt(hd)
+        g = h // (q.shape[0] // hd // Hkv)
+        qs = big[QUERY_AT:SCORES_AT]  # the query, scaled by 1 / sqrt(hd)
         scale = float32(1) / float32(math.sqrt(hd))
-        for j in range(cuda.threadIdx.x, group * hd, cuda.blockDim.x):
-            qs[j] = q[g * group * hd + j] * scale
+        for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+            qs[j] = q[h * hd + j] * scale
         cuda.syncthreads()
-        if group * (p + 1) <= MAX_K - SCORES_AT:
-            attend(layer, g, p, qs, k_cache, v_cache, big[SCORES_AT:], attn, big, scratch)
+        out = attn[h * hd:(h + 1) * hd]
+        if p + 1 <= MAX_K - SCORES_AT:
+            attend(layer, g, p, qs, k_cache, v_cache, big[SCORES_AT:], out, big, scratch)
         else:
-            attend(layer, g, p, qs, k_cache, v_cache, scores[g], attn, big, scratch)
+            attend(layer, g, p, qs, k_cache, v_cache, scores[h], out, big, scratch)
 
     @cuda.jit(device=True)
-    def op_project_add(layer, c0, c1, src, K, w, x, a, red, y):
-        """x[0, c] += src @ w[layer][:, c] for c0 <= c < c1 (O and down projections, the residual in place)."""
-        d = x.shape[1]
+    def op_project_add(layer, c0, c1, src, K, w, x, a, buf, red, y):
+        """x[0, c] += src @ w[layer][:, c] for c0 <= c < c1 (O and down projections, the residual in place): each
+        pass's reduction runs while the next pass's weights load. A thread per column of a pass (SLICE_COLS <= 32)."""
+        d, tid = x.shape[1], cuda.threadIdx.x
+        acc = cuda.local.array(8, dtype=float32)
         load_row(src, K, a)
         for c in range(c0, c1, SLICE_COLS):
-            slice_dot(a, K, w, layer * K * d, d, c, red, y)
-            for e in range(cuda.threadIdx.x, min(SLICE_COLS, c1 - c), cuda.blockDim.x):
-                x[0, c + e] += y[e]
+            width = min(SLICE_COLS, c1 - c)
+            old = x[0, c + tid] if tid < width else float32(0)
+            slice_accumulate(a, K, w, layer * K * d, d, c, buf, 0, acc)
+            if c + SLICE_COLS < c1:
+                slice_fetch(w, layer * K * d, d, c + SLICE_COLS, K, buf, 0)
+            slice_reduce(acc, red, y)
+            if tid < width:
+                x[0, c + tid] = old + y[tid]
 
     @cuda.jit(device=True)
-    def op_gate_up(layer, c0, c1, x, norm, eps, w_gate, w_up, act, a, red, gate, up, scratch):
+    def op_gate_up(layer, c0, c1, x, norm, eps, w_gate, w_up, act, a, buf, gamma, red, gate, up, scratch):
         """act[c] = silu(h @ w_gate[:, c]) * (h @ w_up[:, c]) for c0 <= c < c1, h the normalized x."""
-        d, d_ff = x.shape[1], act.shape[0]
-        normed_row(x, norm[layer * d:(layer + 1) * d], eps, a, scratch)
+        d, d_ff, tid = x.shape[1], act.shape[0], cuda.threadIdx.x
+        u0 = held_rows(d, SLICE_TEAM)  # where the up rows start in buf
+        acc_g = cuda.local.array(8, dtype=float32)
+        acc_u = cuda.local.array(8, dtype=float32)
+        normed_row(x, norm, layer * d, eps, gamma, a, scratch)
         for c in range(c0, c1, SLICE_COLS):
-            slice_dot(a, d, w_gate, layer * d * d_ff, d_ff, c, red, gate)
-            slice_dot(a, d, w_up, layer * d * d_ff, d_ff, c, red, up)
-            for e in range(cuda.threadIdx.x, min(SLICE_COLS, c1 - c), cuda.blockDim.x):
+            slice_accumulate(a, d, w_gate, layer * d * d_ff, d_ff, c, buf, 0, acc_g)
+            slice_accumulate(a, d, w_up, layer * d * d_ff, d_ff, c, buf, u0, acc_u)
+            if c + SLICE_COLS < c1:
+                slice_fetch(w_gate, layer * d * d_ff, d_ff, c + SLICE_COLS, d, buf, 0)
+                slice_fetch(w_up, layer * d * d_ff, d_ff, c + SLICE_COLS, d, buf, u0)
+            slice_reduce(acc_g, red, gate)
+            slice_reduce(acc_u, red, up)
+            for e in range(tid, min(SLICE_COLS, c1 - c), cuda.blockDim.x):
                 act[c + e] = silu_times(gate[e], up[e])
 
     @cuda.jit(device=True)
-    def op_logits(c0, c1, x, norm, eps, head, logits, a, red, y, scratch):
+    def op_logits(c0, c1, x, norm, eps, head, logits, a, buf, gamma, red, y, scratch):
         """logits[n] = h @ head[:, n] for c0 <= n < c1 (head [d, V rounded up to 8]), h the normalized x."""
-        d = x.shape[1]
+        d, tid = x.shape[1], cuda.threadIdx.x
         V8 = (logits.shape[0] + 7) // 8 * 8  # the head's padded width
-        normed_row(x, norm, eps, a, scratch)
+        acc = cuda.local.array(8, dtype=float32)
+        normed_row(x, norm, 0, eps, gamma, a, scratch)
         for c in range(c0, c1, PASS_COLS):
-            head_dot(a, d, head, 0, V8, c, red, y)
-            for e in range(cuda.threadIdx.x, min(PASS_COLS, c1 - c), cuda.blockDim.x):
+            head_accumulate(a, d, head, 0, V8, c, buf, 0, acc)
+            if c + PASS_COLS < c1:
+                head_fetch(head, 0, V8, c + PASS_COLS, d, buf, 0)
+            head_reduce(acc, red, y)
+            for e in range(tid, min(PASS_COLS, c1 - c), cuda.blockDim.x):
                 logits[c + e] = y[e]
 
-    return op_embed, op_qkv, op_attention, op_project_add, op_gate_up, op_logits
+    return op_embed, fetch, op_qkv, op_attention, op_project_add, op_gate_up, op_logits
 
 
 # ---- the interpreter ----
 
 def _make_megakernel(load8):
-    op_embed, op_qkv, op_attention, op_project_add, op_gate_up, op_logits = _ops_for(load8)
+    op_embed, fetch, op_qkv, op_attention, op_project_add, op_gate_up, op_logits = _ops_for(load8)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
     def megakernel(ops, waits_start, waits, counter_of, sizes, queue_start, queue, counters, epoch0, feed, tokens_out,
@@ -318,7 +430,7 @@ def _make_megakernel(load8):
         position0 + t). Weights stacked by layer, matrices seen as uint32 words: w_qkv [L, d, (H + 2 Hkv) hd],
         wo [L, H hd, d], w_gate, w_up [L, d, d_ff], w_down [L, d_ff, d], embed [V, d], head [d, V rounded up to
         8]; b_qkv [L, (H + 2 Hkv) hd] and the norms float32 (flat). x [1, d], q, attn [H hd], act [d_ff], logits
-        [V]; k_cache, v_cache [L, capacity, Hkv, hd]; scores [Hkv, MAX_GROUP capacity]; weights uint64 [V] (the
+        [V]; k_cache, v_cache [L, capacity, Hkv, hd]; scores [H, capacity]; weights uint64 [V] (the
         sampler's scratch); stamps int64 [n, 3]: for each instruction of the last step, the GPU clock (ns) when
         its block began waiting for it, began running it, and marked it done."""
         a = cuda.shared.array(MAX_K, dtype=float32)
@@ -336,6 +448,9 @@ def _make_megakernel(load8):
         cuda.syncthreads()
         sample_counter = counter_of[ops.shape[0] - 1]  # the last instruction: sample
         steps = feed.shape[0]
+        buf = cuda.local.array((PREFETCH, 8), dtype=float32)  # what `fetch` loads before an instruction waits
+        gamma = cuda.local.array(ROW_LOADS, dtype=float32)
+        rope = cuda.shared.array((4, ROPE_PAIRS), dtype=float32)
         for t in range(steps):
             epoch = epoch0 + t + 1
             p = position0 + t
@@ -344,6 +459,9 @@ def _make_megakernel(load8):
                 i, op, layer, c0, c1 = mine[j, 0], mine[j, 1], mine[j, 2], mine[j, 3], mine[j, 4]
                 if tid == 0:
                     stamps[i, 0] = globaltimer()
+                if op != EMBED and op != ATTENTION and op != SAMPLE and not (op == LOGITS and fed_next):
+                    fetch(op, layer, c0, p, x, q, act, logits, b_qkv, cos, sin, attn_norm, mlp_norm, final_norm, w_qkv,
+                          wo, w_gate, w_up, w_down, head, buf, gamma, rope)
                 for w in range(mine[j, 5] + tid, mine[j, 6], cuda.blockDim.x):  # a thread per group waited for
                     c = waits[w]
                     while cuda.atomic.add(counters, c, 0) < sizes[c] * epoch:
@@ -358,19 +476,20 @@ def _make_megakernel(load8):
                 if op == EMBED:
                     op_embed(feed[t] if feed[t] >= 0 else token[0], embed, x)
                 elif op == QKV:
-                    op_qkv(layer, c0, p, x, attn_norm, eps, w_qkv, b_qkv, cos, sin, q, k_cache, v_cache, a, yh, red,
+                    op_qkv(layer, c0, p, x, attn_norm, eps, w_qkv, q, k_cache, v_cache, a, buf, gamma, rope, yh, red,
                            scratch)
                 elif op == ATTENTION:
                     op_attention(layer, c0, p, q, k_cache, v_cache, scores, attn, a, scratch)
                 elif op == O_PROJ:
-                    op_project_add(layer, c0, c1, attn, attn.shape[0], wo, x, a, red, yh)
+                    op_project_add(layer, c0, c1, attn, attn.shape[0], wo, x, a, buf, red, yh)
                 elif op == GATE_UP:
-                    op_gate_up(layer, c0, c1, x, mlp_norm, eps, w_gate, w_up, act, a, red, yh, y2, scratch)
+                    op_gate_up(layer, c0, c1, x, mlp_norm, eps, w_gate, w_up, act, a, buf, gamma, red, yh, y2,
+                               scratch)
                 elif op == DOWN:
-                    op_project_add(layer, c0, c1, act, act.shape[0], w_down, x, a, red, yh)
+                    op_project_add(layer, c0, c1, act, act.shape[0], w_down, x, a, buf, red, yh)
                 elif op == LOGITS:
                     if not fed_next:
-                        op_logits(c0, c1, x, final_norm, eps, head, logits, a, red, yh, scratch)
+                        op_logits(c0, c1, x, final_norm, eps, head, logits, a, buf, gamma, red, yh, scratch)
                 else:  # SAMPLE
                     chosen = int32(0)
                     if not fed_next:

@@ -5,7 +5,7 @@ A step is cut into instructions, each a fused operation on a slice of work, with
 
     qkv(l, head)        the layer's RMSNorm of x, then x's projection onto one head of Q, K or V (+ bias), RoPE
                         for Q and K, and K, V written into the cache at the current position
-    attention(l, g)     the query heads of KV group g against the cache, rows 0 .. position
+    attention(l, h)     query head h against its KV head's cache, rows 0 .. position
     o_proj(l, cols)     x[cols] += attn @ Wo[:, cols]          (the residual added in the reduction)
     gate_up(l, cols)    act[cols] = SiLU(norm(x) @ Wg[:, cols]) * (norm(x) @ Wu[:, cols])
     down(l, cols)       x[cols] += act @ Wd[:, cols]
@@ -40,7 +40,7 @@ class Access:
 class Instruction:
     op: str  # embed, qkv, attention, o_proj, gate_up, down, logits, sample
     layer: int  # -1 outside the layers
-    start: int  # the slice of work: heads (qkv over the Q, K, V heads in turn; attention over KV groups) or
+    start: int  # the slice of work: heads (qkv over the Q, K, V heads in turn; attention over the query heads) or
     stop: int  # output columns (o_proj, gate_up, down, logits)
     deps: tuple[int, ...]  # indices of the instructions this one waits for
     reads: tuple[Access, ...]
@@ -83,13 +83,14 @@ def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -
                 out = Access("v_cache", kv + h - H - Hkv, kv + h - H - Hkv + 1)
             heads.append(add("qkv", layer, h, h + 1, before, [x_all, Access("position", 0, 1)], [out]))
         attention = []
-        for g in range(Hkv):
+        for h in range(H):  # each waits for its KV group's qkv instructions: its query head's group, its K, its V
+            g = h // group
             waits = [heads[q] for q in range(g * group, (g + 1) * group)] + [heads[H + g], heads[H + Hkv + g]]
-            heads_of_g = (g * group * hd, (g + 1) * group * hd)
-            attention.append(add("attention", layer, g, g + 1, waits,
-                                 [Access("q", *heads_of_g), Access("k_cache", kv + g, kv + g + 1),
+            head = (h * hd, (h + 1) * hd)
+            attention.append(add("attention", layer, h, h + 1, waits,
+                                 [Access("q", *head), Access("k_cache", kv + g, kv + g + 1),
                                   Access("v_cache", kv + g, kv + g + 1), Access("position", 0, 1)],
-                                 [Access("attn", *heads_of_g)]))
+                                 [Access("attn", *head)]))
         o_proj = [add("o_proj", layer, s, e, attention, [Access("attn", 0, H * hd), Access("x", s, e)],
                       [Access("x", s, e)]) for s, e in slices(c.d_model, cols)]
         gate_up = [add("gate_up", layer, s, e, o_proj, [x_all], [Access("act", s, e)])

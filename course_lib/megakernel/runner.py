@@ -18,7 +18,7 @@ from ..kernels import SIMULATOR, compiled_once, cuda, sm_count
 from ..kernels.sampling import NO_TOKEN, THREADS, device_settings
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
-from .kernel import MAX_GROUP, MAX_K, MAX_QUEUE, PASS_COLS, SLICE_COLS, megakernel_for
+from .kernel import MAX_K, MAX_QUEUE, PASS_COLS, SLICE_COLS, megakernel_for
 from .program import build_program
 from .schedule import assign, cost, counter_tables, encode
 
@@ -32,8 +32,6 @@ def check_shapes(config) -> None:
                 (("d_model", c.d_model), ("d_ff", c.d_ff), ("n_heads * head_dim", c.n_heads * hd)) if v % 8]
     if hd > PASS_COLS or hd > THREADS:
         problems.append(f"head_dim = {hd} > {min(PASS_COLS, THREADS)}")
-    if c.n_heads // c.n_kv_heads > MAX_GROUP:
-        problems.append(f"{c.n_heads // c.n_kv_heads} query heads per KV head > {MAX_GROUP}")
     if max(c.d_model, c.d_ff, c.n_heads * hd) > MAX_K:
         problems.append(f"an activation row longer than {MAX_K}")
     if problems:
@@ -64,7 +62,7 @@ class MegaState:
         zeros = lambda shape, dtype=np.float32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
         return cls(zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
                    zeros(c.n_heads * c.head_dim), zeros(c.d_ff), zeros(c.vocab_size), zeros(cache), zeros(cache),
-                   zeros((c.n_kv_heads, MAX_GROUP * capacity)), zeros(c.vocab_size, np.uint64),
+                   zeros((c.n_heads, capacity)), zeros(c.vocab_size, np.uint64),
                    zeros(n_counters, np.int32), zeros((n_instructions, 3), np.int64))
 
 

@@ -74,12 +74,11 @@ class Twin:
             else:
                 (s.k_cache if kind == "k" else s.v_cache)[ins.layer, pos, j] = y.reshape(hd)
         elif ins.op == "attention":
-            g, group = ins.start, c.n_heads // c.n_kv_heads
-            heads = slice(g * group * hd, (g + 1) * group * hd)
+            h = ins.start
+            g, head = h // (c.n_heads // c.n_kv_heads), slice(h * hd, (h + 1) * hd)
             k = s.k_cache[ins.layer, :pos + 1, g:g + 1]
             v = s.v_cache[ins.layer, :pos + 1, g:g + 1]
-            out = reference.attention(s.q[heads].reshape(1, group, hd), k, v, np.array([pos]))
-            s.attn[heads] = out.reshape(-1)
+            s.attn[head] = reference.attention(s.q[head].reshape(1, 1, hd), k, v, np.array([pos])).reshape(-1)
         elif ins.op in ("o_proj", "down"):
             lw, cols = w.layers[ins.layer], slice(ins.start, ins.stop)
             a, weight = (s.attn, lw.wo) if ins.op == "o_proj" else (s.act, lw.w_down)
