@@ -19,13 +19,13 @@ computed), then each step embeds the token the previous one chose. No block wait
 later in (step, program order), so the blocks cannot deadlock as long as they all run at once (one per SM). In
 the simulator the blocks run one after another: the kernel runs there with one block, whose queue is the program.
 
-Every matmul instruction starts by loading its first weights (up to PREFETCH rows of each thread's share, the
-whole slice for SmolLM2) into registers, before it waits: weights depend on no other instruction, so they arrive
-while the block waits, and what is left once the inputs are ready is a short chain: the activation row into shared
-memory, the FMAs, the reduction. A team of lanes reads 16 contiguous bytes each of a bf16 row, the block's teams
-take rows k, k + teams, ..., and the teams' sums are added in a fixed order: the same bits whichever block runs the
-instruction and whatever the other blocks do. An instruction of several passes (the logits' 384 columns) issues the
-next pass's loads before the current pass's reduction.
+Every matmul instruction starts by loading what depends on no other instruction (its first weights, its norm's
+weights, its bias and RoPE angles) before it waits: they arrive while the block waits, and what is left once the
+inputs are ready is a short chain: the activation row into shared memory, the FMAs, the reduction. A team of lanes
+reads 16 contiguous bytes each of a bf16 row, the block's teams take rows k, k + teams, ..., and the teams' sums are
+added in a fixed order: the same bits whichever block runs the instruction and whatever the other blocks do.
+An instruction of several passes (the logits' 384 columns) issues the next pass's loads before the current pass's
+reduction.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ ROPE_PAIRS = PASS_COLS // 2  # a head's rotated pairs at most (hd <= PASS_COLS)
 SLICE_TEAM = 2  # lanes per weight row in the other matmul instructions: slices of 16 columns, so that a layer's
 # matmuls are cut in enough instructions to keep every SM reading
 SLICE_COLS = 8 * SLICE_TEAM
-UNROLL = 8  # weight loads in flight per thread
-PREFETCH = 9  # rows of a thread's share of a slice loaded before the instruction waits: a whole qkv head of SmolLM2
-# (576 rows for 64 teams of 8 lanes), gate and up of a 16-column slice (3 + 3), a down slice (6)
+UNROLL = 4  # weight loads in flight per thread (beyond the fetched rows; 8 spilled more registers, no faster)
+PREFETCH = 1  # rows of a thread's share of a slice loaded before the instruction waits. More would hold more of the
+# slice in registers, but 512 threads leave 128 registers each: the rows spill to local memory, and a spilled load
+# must land before the block starts waiting (data/h200_kernel_notes.md: 1 row beat 4 and 9 on the H200)
 MAX_K = 8192  # the longest activation row a matmul instruction reads (Llama-3.2-1B's d_ff): 32 KB of shared memory
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
 POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer atomics crowding the L2 cache
