@@ -34,8 +34,8 @@ def model(request):
 def test_dependencies_complete_on_real_shapes(config):
     program = build_program(config)
     assert check_dependencies(program) == []
-    per_layer = config.n_heads + 2 * config.n_kv_heads + config.n_kv_heads + 2 * -(-config.d_model // 64) \
-        + -(-config.d_ff // 64)
+    per_layer = config.n_heads + 2 * config.n_kv_heads + config.n_heads + 2 * -(-config.d_model // 64) \
+        + -(-config.d_ff // 64)  # qkv heads, attention by query head, o_proj, down, gate_up slices
     assert len(program) == 1 + config.n_layers * per_layer + -(-config.vocab_size // 4096) + 1
 
 

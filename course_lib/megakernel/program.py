@@ -83,9 +83,9 @@ def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -
                 out = Access("v_cache", kv + h - H - Hkv, kv + h - H - Hkv + 1)
             heads.append(add("qkv", layer, h, h + 1, before, [x_all, Access("position", 0, 1)], [out]))
         attention = []
-        for h in range(H):  # each waits for its KV group's qkv instructions: its query head's group, its K, its V
+        for h in range(H):  # each waits for its query head, its KV head's key and value
             g = h // group
-            waits = [heads[q] for q in range(g * group, (g + 1) * group)] + [heads[H + g], heads[H + Hkv + g]]
+            waits = [heads[h], heads[H + g], heads[H + Hkv + g]]
             head = (h * hd, (h + 1) * hd)
             attention.append(add("attention", layer, h, h + 1, waits,
                                  [Access("q", *head), Access("k_cache", kv + g, kv + g + 1),

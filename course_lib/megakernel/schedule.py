@@ -114,13 +114,13 @@ def encode(program: list[Instruction], queues: list[list[int]]) -> dict[str, np.
 
 
 def producer_group(ins: Instruction, config: ModelConfig) -> tuple:
-    """The group of instructions whose completion one counter counts: a layer's instructions of one op, the qkv heads
-    of one KV group (its query heads, its key head, its value head: what one attention instruction reads)."""
+    """The group of instructions whose completion one counter counts: a layer's instructions of one op; for qkv, a
+    query head alone, or the key and value heads of one KV head (what an attention instruction reads: its query
+    head's group and its KV head's)."""
     if ins.op != "qkv":
         return ins.op, ins.layer
     H, Hkv, h = config.n_heads, config.n_kv_heads, ins.start
-    g = h // (H // Hkv) if h < H else (h - H if h < H + Hkv else h - H - Hkv)
-    return "qkv", ins.layer, g
+    return ("qkv", ins.layer, "q", h) if h < H else ("qkv", ins.layer, "kv", (h - H) % Hkv)
 
 
 def counter_tables(program: list[Instruction], config: ModelConfig) -> dict[str, np.ndarray]:
