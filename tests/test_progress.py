@@ -1,0 +1,33 @@
+"""The recurring figure of the notebooks (course_lib.measure.progress), on the recorded bench run in data/."""
+
+import matplotlib
+import pytest
+
+from course_lib.measure import progress
+
+matplotlib.use("Agg")
+
+
+def test_each_notebook_adds_its_recipes():
+    _, rows = progress.recipes_upto("01")
+    assert [r["recipe"] for r in rows] == ["baseline"]
+    _, rows = progress.recipes_upto("03")
+    assert [r["recipe"] for r in rows] == ["baseline", "narrow", "paged"]  # paged: notebooks "03, 04"
+    _, rows = progress.recipes_upto("06", skip=("megakernel",))
+    assert "megakernel" not in [r["recipe"] for r in rows] and "graph" in [r["recipe"] for r in rows]
+
+
+def test_no_recipe_is_a_clear_error():
+    with pytest.raises(ValueError, match="no recipe"):
+        progress.recipes_upto("00")
+
+
+def test_the_figure_draws_a_bar_per_recipe():
+    import matplotlib.pyplot as plt
+
+    fig = progress.plot("04")
+    left, right = fig.axes
+    assert len(left.patches) == 3 and len(right.patches) == 2 * 3  # tokens/s; GPU share + waiting share
+    shares = [p.get_width() for p in right.patches]
+    assert all(0 <= s <= 100 for s in shares)
+    plt.close(fig)
