@@ -1,0 +1,69 @@
+"""The numbers the notebooks' prose quotes, recomputed from the recorded runs in data/: re-recording a run without
+updating the prose fails here (one commit, one run)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recorded(name: str) -> dict:
+    return json.loads((ROOT / "data" / name).read_text())
+
+
+def markdown_cell(notebook: str, starts: str) -> str:
+    nb = json.loads(next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb")).read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    found = [c for c in cells if c.startswith(starts)]
+    assert len(found) == 1, f"notebook {notebook}: {len(found)} markdown cells start with {starts!r}"
+    return found[0]
+
+
+def bench_rows(name: str = "bench_h200.json") -> dict:
+    return {r["recipe"]: r for r in recorded(name)["rows"]}
+
+
+def waiting(row: dict) -> float:
+    """% of a token's wall time the GPU waits for the host (as progress.plot draws it)."""
+    return 100 * (1 - min(row["gpu_ms_per_token"], row["ms_per_token"]) / row["ms_per_token"])
+
+
+def expected_where_the_time_goes() -> dict[str, list[str]]:
+    r, bound = bench_rows(), recorded("bench_h200.json")["bound_tokens_per_s"]
+    base, narrow, paged, fused = r["baseline"], r["narrow"], r["paged"], r["fused"]
+    replayed = [100 - waiting(r[k]) for k in ("graph", "graph8", "fused")]
+    return {
+        "01": [f"{base['tokens_per_s']:.0f} tokens/s", f"{base['percent_of_bound']:.2f}%",
+               f"{base['gpu_ms_per_token']:.1f} of each token's {base['ms_per_token']:.1f} ms",
+               f"{base['host_launches_per_token']}"],
+        "02": [f"from {base['gpu_ms_per_token']:.1f} to {narrow['gpu_ms_per_token']:.1f} ms",
+               f"({narrow['tokens_per_s']:.0f}\nagainst {base['tokens_per_s']:.0f} tokens/s)",
+               f"{waiting(narrow):.0f}%"],
+        "03": [f"{paged['tokens_per_s']:.0f} tokens/s", f"{waiting(paged):.0f}%"],
+        "04": [f"{paged['gpu_ms_per_token']:.1f} ms of kernels",
+               f"{paged['ms_per_token'] - paged['gpu_ms_per_token']:.1f} ms of waiting",
+               f"{paged['kernels_per_token']} kernels"],
+        "05": [f"{fused['kernels_per_token']} kernels per token", f"instead of {paged['kernels_per_token']}",
+               f"{fused['gpu_ms_per_token']:.2f} ms", f"{fused['tokens_per_s']:.0f} tokens/s",
+               f"{100 - waiting(fused):.0f}%"],
+        "06": [f"{min(replayed):.0f}–{max(replayed):.0f}%", f"{fused['gpu_ms_per_token']:.2f} ms",
+               f"{1e3 / bound:.2f} ms"],
+    }
+
+
+@pytest.mark.parametrize("notebook", ["01", "02", "03", "04", "05", "06"])
+def test_where_the_time_goes_quotes_the_recorded_run(notebook):
+    text = markdown_cell(notebook, "## Where the time goes now")
+    for figure in expected_where_the_time_goes()[notebook]:
+        assert figure in text, f"notebook {notebook} does not quote {figure!r} (data/bench_h200.json)"
+
+
+def test_megakernel_prose_quotes_its_run():
+    r = bench_rows("bench_megakernel_h200.json")
+    text = markdown_cell("06", "The megakernel gives the reference's tokens")
+    mk, fused = r["megakernel"], r["fused"]
+    for figure in (f"{mk['gpu_ms_per_token']:.2f} ms per step against {fused['gpu_ms_per_token']:.2f}",
+                   f"{mk['tokens_per_s']:.0f} against {fused['tokens_per_s']:.0f} tokens/s"):
+        assert figure in text, f"notebook 06 does not quote {figure!r} (data/bench_megakernel_h200.json)"
