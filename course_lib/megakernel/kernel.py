@@ -2,8 +2,8 @@
 
 The grid is one block per SM (THREADS threads, the sampler's block). Block b runs queue b of the schedule, in
 order, once per step (its instructions read into shared memory once per launch). The dependencies are counted:
-instructions come in groups (a layer's instructions of one op; the qkv heads of one KV group), each group has a
-counter, and an instruction waits for whole groups (`schedule.counter_tables`):
+instructions come in groups (a layer's instructions of one op; a query head's qkv; a KV head's key and value), each
+group has a counter, and an instruction waits for whole groups (`schedule.counter_tables`):
 
     wait   a thread per group waited for reads its counter (an atomic: from the L2 cache, never a stale L1 line),
            pausing POLL_NS between reads, until it reaches size x epoch; then a memory fence and a block barrier
@@ -433,7 +433,7 @@ def _make_megakernel(load8):
         8]; b_qkv [L, (H + 2 Hkv) hd] and the norms float32 (flat). x [1, d], q, attn [H hd], act [d_ff], logits
         [V]; k_cache, v_cache [L, capacity, Hkv, hd]; scores [H, capacity]; weights uint64 [V] (the
         sampler's scratch); stamps int64 [n, 3]: for each instruction of the last step, the GPU clock (ns) when
-        its block began waiting for it, began running it, and marked it done."""
+        its block began it (fetching, then waiting), began running it, and marked it done."""
         a = cuda.shared.array(MAX_K, dtype=float32)
         red = cuda.shared.array((WARPS, PASS_COLS), dtype=float32)
         yh = cuda.shared.array(PASS_COLS, dtype=float32)
