@@ -1,7 +1,8 @@
 """Instructions assigned to the blocks of a persistent kernel ahead of time, encoded as the arrays the kernel reads.
 
 Each block of the megakernel runs its own queue of instructions, in order; before an instruction it waits until
-every instruction it depends on is marked done (a flag per instruction, set after a memory fence). A block only
+every instruction it depends on is counted done (a counter per group of instructions, `counter_tables`, added to
+after a memory fence). A block only
 ever waits for an instruction that comes earlier in the program, and every queue is in program order: the
 earliest instruction not yet done is never waiting, so the blocks cannot deadlock, whatever their speeds.
 
