@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.measure.progress import waiting_share as waiting
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,9 +27,6 @@ def bench_rows(name: str = "bench_h200.json") -> dict:
     return {r["recipe"]: r for r in recorded(name)["rows"]}
 
 
-def waiting(row: dict) -> float:
-    """% of a token's wall time the GPU waits for the host (as progress.plot draws it)."""
-    return 100 * (1 - min(row["gpu_ms_per_token"], row["ms_per_token"]) / row["ms_per_token"])
 
 
 def expected_where_the_time_goes() -> dict[str, list[str]]:

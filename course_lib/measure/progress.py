@@ -30,6 +30,11 @@ def recipes_upto(upto: str, skip: tuple[str, ...] = (), path: Path = DATA) -> tu
     return run, rows
 
 
+def waiting_share(row: dict) -> float:
+    """% of a recipe's token wall time the GPU waits for the host (not running kernels)."""
+    return 100 * (1 - min(row["gpu_ms_per_token"], row["ms_per_token"]) / row["ms_per_token"])
+
+
 def plot(upto: str, skip: tuple[str, ...] = (), path: Path = DATA):
     """Draw the figure for the notebooks up to `upto` (e.g. "04"); -> the matplotlib figure."""
     import matplotlib.pyplot as plt
@@ -53,7 +58,7 @@ def plot(upto: str, skip: tuple[str, ...] = (), path: Path = DATA):
     left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.6 / (len(rows) + 1)), ncol=2)
     gpu = [min(r["gpu_ms_per_token"], r["ms_per_token"]) for r in rows]
     rest = [max(r["ms_per_token"] - g, 0.0) for r, g in zip(rows, gpu, strict=True)]
-    share = [100 * g / r["ms_per_token"] for r, g in zip(rows, gpu, strict=True)]
+    share = [100 - waiting_share(r) for r in rows]
     right.barh(names, share, color="tab:green", label="GPU running kernels")
     right.barh(names, [100 - s for s in share], left=share, color="lightgray", label="GPU waiting for the host")
     for i, (r, g, o) in enumerate(zip(rows, gpu, rest, strict=True)):
