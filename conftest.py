@@ -1,7 +1,9 @@
 """The `gpu` marker: the tests that run the kernels, and the notebooks (`python -m pytest -m gpu`, the README's GPU
 suite). Without a GPU the same tests run in the simulator, on tiny shapes. The notebooks and the slowest test files
 are collected first: with one file per worker at a time (`--dist loadfile`), the longest start first and the short
-ones fill in around them."""
+ones fill in around them. On a GPU, compiling is the long part and the GPU has room for many workers: the README's
+command spreads the tests of the SPREAD files one by one (`--dist loadgroup`), and keeps every other file, each
+notebook above all (its cells share one kernel), on one worker through an `xdist_group` of its own."""
 
 import pathlib
 
@@ -10,11 +12,14 @@ import pytest
 GPU_SUITE = {"test_kernels.py", "test_paged.py", "test_cuda_backend.py", "test_paged_backend.py", "test_recipes.py",
              "test_tolerances.py", "test_generate.py", "test_kernel_cache.py",
              "test_batch.py", "test_fused.py", "test_megakernel_kernel.py"}
-LONGEST_FIRST = ["06_launches.ipynb", "05_fused_operations.ipynb", "test_megakernel_kernel.py",
+LONGEST_FIRST = ["06_launches.ipynb", "05_fused_operations.ipynb", "07_many_sequences.ipynb",
+                 "test_megakernel_kernel.py",
                  "03_a_cache_that_no_longer_grows.ipynb",
                  "04_flash_decoding.ipynb",
                  "test_recipes.py", "02_narrow_matrices.ipynb", "test_paged_backend.py",
                  "01_where_the_time_goes.ipynb", "test_cuda_backend.py"]
+SPREAD = {"test_recipes.py", "test_megakernel_kernel.py", "test_paged_backend.py", "test_cuda_backend.py",
+          "test_kernels.py"}  # their tests share nothing but session fixtures
 
 
 def pytest_collection_modifyitems(items):
@@ -22,6 +27,8 @@ def pytest_collection_modifyitems(items):
         path = pathlib.Path(str(item.fspath))
         if path.suffix == ".ipynb" or path.name in GPU_SUITE:
             item.add_marker(pytest.mark.gpu)
+        if path.name not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(path.name))
 
     def rank(item):
         name = pathlib.Path(str(item.fspath)).name
