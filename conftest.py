@@ -1,9 +1,9 @@
 """The `gpu` marker: the tests that run the kernels, and the notebooks (`python -m pytest -m gpu`, the README's GPU
 suite). Without a GPU the same tests run in the simulator, on tiny shapes. The notebooks and the slowest test files
 are collected first: with one file per worker at a time (`--dist loadfile`), the longest start first and the short
-ones fill in around them. On a GPU, compiling is the long part and the GPU has room for many workers: the README's
-command spreads the tests of the SPREAD files one by one (`--dist loadgroup`), and keeps every other file, each
-notebook above all (its cells share one kernel), on one worker through an `xdist_group` of its own."""
+ones fill in around them. On a GPU too: the kernels a file's tests share compile once, in its worker. (Spread test
+by test over 12 workers with `--dist loadgroup`, each worker compiled the same kernels again and the H200's 16 CPU
+cores became the bottleneck: the recipes' greedy tests took ~210 s each, against 30-70 s by file on 8 workers.)"""
 
 import pathlib
 
@@ -18,8 +18,6 @@ LONGEST_FIRST = ["06_launches.ipynb", "05_fused_operations.ipynb", "07_many_sequ
                  "04_flash_decoding.ipynb",
                  "test_recipes.py", "02_narrow_matrices.ipynb", "test_paged_backend.py",
                  "01_where_the_time_goes.ipynb", "test_cuda_backend.py"]
-SPREAD = {"test_recipes.py", "test_megakernel_kernel.py", "test_paged_backend.py", "test_cuda_backend.py",
-          "test_kernels.py"}  # their tests share nothing but session fixtures
 
 
 def pytest_collection_modifyitems(items):
@@ -27,8 +25,6 @@ def pytest_collection_modifyitems(items):
         path = pathlib.Path(str(item.fspath))
         if path.suffix == ".ipynb" or path.name in GPU_SUITE:
             item.add_marker(pytest.mark.gpu)
-        if path.name not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(path.name))
 
     def rank(item):
         name = pathlib.Path(str(item.fspath)).name
