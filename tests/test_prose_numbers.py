@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.measure.bench import format_bench
 from course_lib.measure.progress import waiting_share as waiting
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,21 @@ def bench_rows(name: str = "bench_h200.json") -> dict:
     return {r["recipe"]: r for r in recorded(name)["rows"]}
 
 
+def stored_text(notebook: str, source_has: str) -> str:
+    """The text outputs of the one code cell of a notebook whose source contains `source_has`."""
+    nb = json.loads(next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb")).read_text())
+    cells = [c for c in nb["cells"] if c["cell_type"] == "code" and source_has in "".join(c["source"])]
+    assert len(cells) == 1, f"notebook {notebook}: {len(cells)} code cells contain {source_has!r}"
+    return "".join("".join(o.get("text", "")) for o in cells[0]["outputs"])
+
+
+@pytest.mark.parametrize("notebook, cell, data", [
+    ("06", "measured[\"bench\"] = bench.run_bench", "bench_h200.json"),
+    ("05", "measured[\"bench\"] = bench.run_bench", "05_fused_h200.json")])
+def test_stored_bench_outputs_are_the_recorded_runs(notebook, cell, data):
+    """The bench table a notebook shows is the run recorded in data/ (and quoted by the prose): one run."""
+    run = recorded(data)
+    assert format_bench(run.get("bench", run)) in stored_text(notebook, cell)
 
 
 def expected_where_the_time_goes() -> dict[str, list[str]]:
@@ -60,9 +76,9 @@ def test_where_the_time_goes_quotes_the_recorded_run(notebook):
 
 
 def test_megakernel_prose_quotes_its_run():
-    r = bench_rows("bench_megakernel_h200.json")
+    r = bench_rows()
     text = markdown_cell("06", "The megakernel gives the reference's tokens")
     mk, fused = r["megakernel"], r["fused"]
     for figure in (f"{mk['gpu_ms_per_token']:.2f} ms per step against {fused['gpu_ms_per_token']:.2f}",
                    f"{mk['tokens_per_s']:.0f} against {fused['tokens_per_s']:.0f} tokens/s"):
-        assert figure in text, f"notebook 06 does not quote {figure!r} (data/bench_megakernel_h200.json)"
+        assert figure in text, f"notebook 06 does not quote {figure!r} (data/bench_h200.json)"

@@ -492,8 +492,9 @@ def format_bench(r: dict) -> str:
 def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str = "bf16") -> list[dict]:
     """Aggregate decode throughput of generate_batch on the CUDA backend (the fused step over B sequences, course_lib
     .batch) for each batch size B of `sizes`: B random prompts of `context` tokens, all admitted at once, greedy.
-    Each size runs twice, for 8 and for 8 + steps new tokens: the difference of the two wall times is `steps`
-    decode steps of the B sequences (the prefills and the first steps cancel out). same_text: the first sequence
+    Each size runs once to warm up (its kernels for B rows compile on first use), then for 8 and for 8 + steps new
+    tokens: the difference of the two wall times is `steps` decode steps of the B sequences (the prefills and the
+    first steps cancel out). same_text: the first sequence
     gets the tokens it gets alone (B = 1). -> [{"batch", "tokens_per_s", "ms_per_step", "same_text"}]."""
     from ..batch import generate_batch
 
@@ -510,9 +511,13 @@ def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str =
     alone = run(1, 8 + steps)[1]
     rows = []
     for batch in sizes:
+        run(batch, 2)  # warm-up: the kernels of B rows compile on first use (inside `short`, they cancelled the steps)
         short, _ = run(batch, 8)
         long, first = run(batch, 8 + steps)
-        seconds = max(long - short, 1e-9)
+        seconds = long - short
+        if seconds <= 0:
+            raise RuntimeError(f"bench_batch: {steps} more steps of batch {batch} took no time ({long:.3f} s against "
+                               f"{short:.3f} s): the two runs did not do the same work besides the steps")
         rows.append({"batch": batch, "tokens_per_s": batch * steps / seconds, "ms_per_step": 1e3 * seconds / steps,
                      "same_text": first == alone})
     return rows
