@@ -1,9 +1,8 @@
 """The `gpu` marker: the tests that run the kernels, and the notebooks (`python -m pytest -m gpu`, the README's GPU
 suite). Without a GPU the same tests run in the simulator, on tiny shapes. The notebooks and the slowest test files
 are collected first: with one file per worker at a time (`--dist loadfile`), the longest start first and the short
-ones fill in around them. On a GPU too: the kernels a file's tests share compile once, in its worker. (Spread test
-by test over 12 workers with `--dist loadgroup`, each worker compiled the same kernels again and the H200's 16 CPU
-cores became the bottleneck: the recipes' greedy tests took ~210 s each, against 30-70 s by file on 8 workers.)"""
+ones fill in around them. On a GPU too: the kernels a file's tests share compile once, in its worker (spread test by
+test, every worker compiles them again: data/h200_kernel_notes.md)."""
 
 import pathlib
 

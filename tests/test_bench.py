@@ -49,3 +49,14 @@ def test_bench_random_weights_of_known_shapes():
     assert model.weights.layers[0].w_gate.shape == (576, 1536)
     with pytest.raises(ValueError, match="Llama-3.2-1B"):
         cli._bench_model("random:gpt-5")
+
+
+def test_microseconds_per_call_from_the_timed_bandwidth(monkeypatch):
+    """us_per_call converts _gb_per_s's GB/s of the bytes a call reads back to its time: 2 MB at 1,000 GB/s is 2 us
+    (notebook 05 once wrote the conversion out by hand, a factor 1e6 off)."""
+    from course_lib.measure import bench
+
+    monkeypatch.setattr(bench, "_gb_per_s", lambda run, buffers, nbytes, repeats, graph=False: 1000.0)
+    assert bench.us_per_call(None, [], 2_000_000, 20, graph=True) == pytest.approx(2.0)
+    monkeypatch.setattr(bench, "_gb_per_s", lambda run, buffers, nbytes, repeats, graph=False: 250.0)
+    assert bench.us_per_call(None, [], 2_000_000, 20) == pytest.approx(8.0)

@@ -16,9 +16,12 @@ def recorded(name: str) -> dict:
     return json.loads((ROOT / "data" / name).read_text())
 
 
+def notebook_cells(notebook: str) -> list[dict]:
+    return json.loads(next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb")).read_text())["cells"]
+
+
 def markdown_cell(notebook: str, starts: str) -> str:
-    nb = json.loads(next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb")).read_text())
-    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    cells = ["".join(c["source"]) for c in notebook_cells(notebook) if c["cell_type"] == "markdown"]
     found = [c for c in cells if c.startswith(starts)]
     assert len(found) == 1, f"notebook {notebook}: {len(found)} markdown cells start with {starts!r}"
     return found[0]
@@ -30,8 +33,7 @@ def bench_rows(name: str = "bench_h200.json") -> dict:
 
 def stored_text(notebook: str, source_has: str) -> str:
     """The text outputs of the one code cell of a notebook whose source contains `source_has`."""
-    nb = json.loads(next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb")).read_text())
-    cells = [c for c in nb["cells"] if c["cell_type"] == "code" and source_has in "".join(c["source"])]
+    cells = [c for c in notebook_cells(notebook) if c["cell_type"] == "code" and source_has in "".join(c["source"])]
     assert len(cells) == 1, f"notebook {notebook}: {len(cells)} code cells contain {source_has!r}"
     return "".join("".join(o.get("text", "")) for o in cells[0]["outputs"])
 

@@ -101,6 +101,12 @@ def _gb_per_s(run, buffers: list, nbytes: int, repeats: int, graph: bool = False
     return nbytes * repeats / seconds / 1e9
 
 
+def us_per_call(run, buffers: list, nbytes: int, repeats: int, graph: bool = False) -> float:
+    """Microseconds of GPU time per run(buffer, stream=s), timed as _gb_per_s times it (nbytes: what a run reads;
+    it cancels out)."""
+    return 1e-3 * nbytes / _gb_per_s(run, buffers, nbytes, repeats, graph)
+
+
 def _elapsed(queue, stream) -> float:
     """Seconds of GPU time between events recorded on `stream` before and after queue() (waits for the end)."""
     start, end = cuda.event(), cuda.event()
@@ -251,7 +257,7 @@ def swiglu_times(d: int, d_ff: int, rows: list[int], weights: str = "bf16", repe
     out = []
     for M in rows:
         x = cuda.to_device(rng.standard_normal((M, d), dtype=np.float32))
-        out.append({"M": M} | {name: 1e6 * nbytes / (1e9 * _gb_per_s(run, copies, nbytes, repeats, graph=True))
+        out.append({"M": M} | {name: us_per_call(run, copies, nbytes, repeats, graph=True)
                                for name, run in _swiglu_variants(x, d_ff).items()})
     return out
 
@@ -494,8 +500,8 @@ def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str =
     .batch) for each batch size B of `sizes`: B random prompts of `context` tokens, all admitted at once, greedy.
     Each size runs once to warm up (its kernels for B rows compile on first use), then for 8 and for 8 + steps new
     tokens: the difference of the two wall times is `steps` decode steps of the B sequences (the prefills and the
-    first steps cancel out). same_text: the first sequence
-    gets the tokens it gets alone (B = 1). -> [{"batch", "tokens_per_s", "ms_per_step", "same_text"}]."""
+    first steps cancel out). same_text: the first sequence gets the tokens it gets alone (B = 1).
+    -> [{"batch", "tokens_per_s", "ms_per_step", "same_text"}]."""
     from ..batch import generate_batch
 
     rng = np.random.default_rng(2)
