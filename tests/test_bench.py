@@ -60,3 +60,19 @@ def test_microseconds_per_call_from_the_timed_bandwidth(monkeypatch):
     assert bench.us_per_call(None, [], 2_000_000, 20, graph=True) == pytest.approx(2.0)
     monkeypatch.setattr(bench, "_gb_per_s", lambda run, buffers, nbytes, repeats, graph=False: 250.0)
     assert bench.us_per_call(None, [], 2_000_000, 20) == pytest.approx(8.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="bench measures the GPU")
+def test_bench_command_on_the_gpu(tmp_path, capsys):
+    """The command itself on a GPU: random SmolLM2 weights, two recipes, a few steps; the saved rows are the table's,
+    each with a positive speed and the reference's text."""
+    saved = tmp_path / "bench.json"
+    assert cli.main(["bench", "--model", "random:SmolLM2-135M-Instruct", "--recipes", "graph,fused", "--steps", "16",
+                     "--context", "16", "--no-peers", "--save", str(saved)]) == 0
+    result, table = json.loads(saved.read_text()), capsys.readouterr().out
+    assert [row["recipe"] for row in result["rows"]] == ["graph", "fused"]
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["gpu_ms_per_token"] > 0 and row["same_text"]
+        assert f"{row['tokens_per_s']:.1f}" in table
+    assert 0 < result["bound_tokens_per_s"]

@@ -12,7 +12,7 @@ from checks import as_computed, logit_tolerance
 from course_lib import reference
 from course_lib.gpu.backend import FUSED, NARROW, PAGED, CudaBackend
 from course_lib.kernels import SIMULATOR
-from course_lib.kernels.paged_attention import chunk_unit
+from course_lib.kernels.paged_attention import chunk_unit, chunks_for
 
 
 @pytest.mark.parametrize("ops", [None, NARROW, PAGED, FUSED], ids=["baseline", "narrow", "paged", "fused"])
@@ -37,12 +37,39 @@ def test_logits_match_reference(request, model, weights, ops):
         assert np.abs(ours - ref).max() <= logit_tolerance(c, np.abs(ref).max())
 
 
+@pytest.mark.parametrize("ops", [PAGED, FUSED], ids=["paged", "fused"])
+def test_decode_over_several_chunks_matches_reference(request, model, ops):
+    """A decode step whose keys span several flash-decoding chunks, so the backend merges them (the merge kernel, or
+    each head's last block): the logits of the reference, to the derived tolerance. The cache's first n positions
+    are the reference's own keys and values, written into the backend's pages (a prefill of that many tokens would
+    take minutes in the simulator)."""
+    if SIMULATOR:
+        model = request.getfixturevalue("tiny")
+    c = model.config
+    n = 2 * chunk_unit(c.head_dim) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
+    assert chunks_for(n + 1, c.n_kv_heads, c.head_dim)[1] >= 2
+    ref_model, rope = as_computed(model, "bf16"), reference.rope_tables(c, n + 1)
+    cache = reference.KVCache(c, n + 1)
+    reference.forward(ref_model.weights, c, np.random.default_rng(9).integers(0, c.vocab_size, n), cache, rope)
+    expected = reference.forward(ref_model.weights, c, [7], cache, rope)
+    backend = CudaBackend(model, n + 1, weights="bf16", ops=ops)
+    slots = backend.cache.slots(0, n)
+    for layer in range(c.n_layers):
+        for table, rows in ((backend.cache.k[layer], cache.k[layer]), (backend.cache.v[layer], cache.v[layer])):
+            host = table.copy_to_host()
+            host[slots] = rows[:n]
+            table.copy_to_device(host)
+    backend.length = n
+    ours = backend.decode(7)
+    assert np.abs(ours - expected).max() <= logit_tolerance(c, np.abs(expected).max())
+
+
 def test_baseline_step_counts(tiny):
     """The baseline's launches and allocations per decode step follow from its structure (the step recorded, not
     run: Runtime.record)."""
     c = tiny.config
     backend = CudaBackend(tiny, 8, weights="f32")
-    backend.prefill([1, 2, 3])
+    backend.rt.record(lambda: backend.prefill([1, 2, 3]))
     allocations = backend.rt.allocations
     launches = backend.rt.record(lambda: backend.decode(4))
     per_layer = 7 + 2 + 4 + 1 + 2 + 2 + 1  # matmuls, norms, cache copies, attention, adds, rope, silu_mul

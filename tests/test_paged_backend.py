@@ -18,7 +18,7 @@ def test_paged_step_allocates_nothing(tiny):
     """With the paged cache, a decode step in steady state allocates no device memory and uploads once (steps
     recorded, not run: the counts are the host's)."""
     backend = CudaBackend(tiny, 40, weights="f32", ops=PAGED)
-    backend.prefill([1, 2, 3])
+    backend.rt.record(lambda: backend.prefill([1, 2, 3]))
     backend.rt.record(lambda: backend.decode(4))  # the first step of this shape fills the runtime's pool
     allocations, transfers = backend.rt.allocations, backend.rt.transfers
     launches = backend.rt.record(lambda: backend.decode(5))
@@ -27,7 +27,7 @@ def test_paged_step_allocates_nothing(tiny):
     # norm, gate, up, silu_mul, down, add; then embedding, final norm, logits
     assert len(launches) == 17 * tiny.config.n_layers + 3
     baseline = CudaBackend(tiny, 40, weights="f32")
-    baseline.prefill([1, 2, 3])
+    baseline.rt.record(lambda: baseline.prefill([1, 2, 3]))
     allocations = baseline.rt.allocations
     baseline.rt.record(lambda: baseline.decode(4))
     assert baseline.rt.allocations - allocations > 2 * tiny.config.n_layers

@@ -31,3 +31,16 @@ def test_the_figure_draws_a_bar_per_recipe():
     shares = [p.get_width() for p in right.patches]
     assert all(0 <= s <= 100 for s in shares)
     plt.close(fig)
+
+
+def test_results_are_recorded_only_in_the_recording_run(tmp_path, monkeypatch):
+    """records.save writes data/<name> only with COURSE_LIB_RECORD=1: a learner's GPU or the GPU suite keeps its
+    numbers in the notebook and leaves the course's recorded H200 results as they are."""
+    from course_lib.measure import records
+
+    monkeypatch.setattr(records, "DIR", tmp_path)
+    monkeypatch.delenv("COURSE_LIB_RECORD", raising=False)
+    assert "not saved" in records.save("x.json", {"a": 1}) and not (tmp_path / "x.json").exists()
+    monkeypatch.setenv("COURSE_LIB_RECORD", "1")
+    assert records.save("x.json", {"a": 1}) == "saved to data/x.json"
+    assert records.load("x.json") == {"a": 1}

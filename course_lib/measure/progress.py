@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "bench_h200.json"
+from . import records
+
+DATA = records.path("bench_h200.json")
 
 
 def first_notebook(row: dict) -> str:

@@ -1,0 +1,39 @@
+"""The recorded H200 results (`data/*.json`) that the notebooks plot when no GPU is present.
+
+A notebook's measuring cell keeps its results with `save(name, result)`. It writes `data/<name>` only in the
+maintainers' recording run (COURSE_LIB_RECORD=1, the run whose outputs the committed notebooks carry): a learner's
+GPU, or the GPU suite running the notebooks under pytest, measures and shows its own numbers without replacing the
+course's recorded ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+DIR = Path(__file__).resolve().parents[2] / "data"
+
+
+def path(name: str) -> Path:
+    """data/<name>."""
+    return DIR / name
+
+
+def load(name: str) -> dict:
+    """The recorded result data/<name>."""
+    return json.loads(path(name).read_text())
+
+
+def recording() -> bool:
+    """Whether this process records the course's results (COURSE_LIB_RECORD=1)."""
+    return os.environ.get("COURSE_LIB_RECORD") == "1"
+
+
+def save(name: str, result: dict) -> str:
+    """Write result to data/<name> when recording; -> a line saying what happened, for the notebook's output."""
+    if not recording():
+        return f"not saved to data/{name}: this run's numbers stay here (COURSE_LIB_RECORD=1 records them)"
+    DIR.mkdir(exist_ok=True)
+    path(name).write_text(json.dumps(result, indent=1))
+    return f"saved to data/{name}"
