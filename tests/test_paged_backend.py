@@ -49,6 +49,8 @@ def test_paged_cache_full_is_an_error(tiny):
 def test_cache_equals_no_cache(request, temperature):
     """Generation with the paged cache gives the same logits, bit for bit, and so the same tokens, as recomputing
     the whole sequence every token (reset, then prefill): the cache changes the work, not the result."""
+    if SIMULATOR and temperature == 0:
+        pytest.skip("simulator time: the bits do not depend on how the tokens were chosen (seeded covers it)")
     model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_NO_CACHE
