@@ -2,16 +2,16 @@
 recorded on the H200 (data/06_launches_h200.json), shows every recipe and peer. On a GPU notebook 06 runs it."""
 
 import json
-import pathlib
 
 import pytest
 
 from course_lib import __main__ as cli
 from course_lib import gpu_available
+from course_lib.measure import records
 from course_lib.measure.bench import format_bench
 from course_lib.recipes import RECIPES
 
-RECORDED = pathlib.Path(__file__).resolve().parents[1] / "data" / "06_launches_h200.json"
+RECORDED = records.path("06_launches_h200.json")
 
 
 def test_recorded_results_format_as_a_table():

@@ -8,12 +8,9 @@ import pytest
 
 from course_lib.measure.bench import format_bench
 from course_lib.measure.progress import waiting_share as waiting
+from course_lib.measure.records import load as recorded
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def recorded(name: str) -> dict:
-    return json.loads((ROOT / "data" / name).read_text())
 
 
 def notebook_cells(notebook: str) -> list[dict]:
