@@ -12,9 +12,10 @@ as they were first computed: the same bits, the same continuation).
 A sequence's tokens do not depend on what it was batched with: each is sampled from its own logits with its own
 seed at its own position (kernels.sampling), and its rows get the bits they get alone. The NumPy backend
 (`NumpyBatch`) computes each sequence's rows as the reference does for a sequence alone, over the shared paged
-cache (`PagedSequence`). The CUDA backend (`CudaBatch`) runs one decode pass for all the running sequences: their
-rows side by side in every matmul, so that each weight read serves them all (the split-K kernels sum a row the same
-way whatever the number of rows), and attention in one launch, each row through its own sequence's page table.
+cache (`PagedSequence`). The CUDA backend (`CudaBatch`) runs one decode pass for all the running sequences, recorded
+once per bucket of batch sizes and replayed as a CUDA graph (gpu.plan.BatchPlan): their rows side by side in every
+matmul, so that each weight read serves them all (the split-K kernels sum a row the same way whatever the number of
+rows), and attention in one launch, each row through its own sequence's page table.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from . import reference
 from .device import gpu_available
 from .generate import Generation, TextStream, check_request, prompt_ids
 from .gpu.kv_cache import PAGE_SIZE, PagedKVCache
-from .kernels.sampling import NO_TOKEN, sample, sample_batch
+from .kernels import SIMULATOR
+from .kernels.sampling import NO_TOKEN, device_settings, sample, sample_batch
 from .model.loading import Model
 
 
@@ -150,9 +152,9 @@ class Scheduler:
 
 class Runner:
     """What the scheduler's loop drives: a cache shared by the sequences, forward(seq, ids) (the logits [1, V] of
-    the last of `ids`, the sequence's next positions), step(seqs) (the logits [T, V] of one decode step of each),
-    sample(seqs, logits) (their next tokens, each with its own settings at its own position), and from those
-    prefill(seq) and decode(seqs), which return tokens."""
+    the last of `ids`, the sequence's next positions), sample(seqs, logits) (their next tokens, each with its own
+    settings at its own position) and decode(seqs) (one decode step of each: their next tokens; by default
+    sample(step(seqs)), step giving the logits [T, V]), and from those prefill(seq) and recompute(seq)."""
 
     cache: PagedKVCache
 
@@ -204,53 +206,64 @@ class NumpyBatch(Runner):
 
 
 class CudaBatch(Runner):
-    """The CUDA backend's fused step (gpu.backend.FUSED, kernels launched one by one) over several sequences
-    sharing its paged cache: a pass per sequence for its prompt, then one pass for the decode step of all the
-    running sequences, their rows side by side in every matmul, then every row's next token sampled on the GPU
-    (kernels.sampling.sample_batch: T ids come back, not T x V logits). Only the rows' bookkeeping is on the
-    host."""
+    """The CUDA backend's fused step (gpu.backend.FUSED) over several sequences sharing its paged cache: a pass per
+    sequence for its prompt (kernels launched one by one), then each decode step of the running sequences as one
+    recorded step plan (gpu.plan.BatchPlan) for the smallest bucket of rows that holds them, replayed as a CUDA graph
+    on a GPU: their rows side by side in every matmul, so that each weight read serves them all (the split-K
+    kernels sum a row the same way whatever the number of rows), attention in one launch, each row through its own
+    sequence's page table, and every row's next token sampled on the GPU (T ids come back, not T x V logits). Only
+    the rows' bookkeeping is on the host. One page of the cache, past the `pages` given to the sequences, holds the
+    padding rows' keys and values."""
+
+    PADDING = "padding rows"
 
     def __init__(self, model: Model, pages: int, max_len: int, weights: str = "bf16"):
         from .gpu.backend import FUSED, CudaBackend
 
         self.model = model
-        self.backend = CudaBackend(model, max_len, weights=weights, ops=FUSED, pages=pages)
+        self.backend = CudaBackend(model, max_len, weights=weights, ops=FUSED, pages=pages + 1)
         self.cache = self.backend.cache
         self.cache.free(0)  # the backend's own sequence: the batch's sequences take the pages
+        self.cache.add(self.PADDING, 1)
+        self.pad_slot = int(self.cache.slots(self.PADDING, 1)[0])
+        self.plans = {}  # rows -> BatchPlan, recorded on first use
+        self._settings = {}  # sequence index -> its sampling settings as the kernels read them
 
     def forward(self, seq: Sequence, ids: list[int]):
-        return self._pass([(seq, ids)], every_row=False)  # a pass of its own
-
-    def step(self, seqs: list[Sequence]):
-        return self._pass([(seq, [seq.tokens[-1]]) for seq in seqs], every_row=True)
+        """One pass over the sequence's new positions (its prompt, or a token when it is recomputed): its slots
+        reserved, one upload (ids, positions, slots, page table), the layers. -> the logits [1, V] of the last
+        position, left on the device."""
+        b, T, start = self.backend, len(ids), seq.kv.reserved
+        seq.kv.reserve(T)
+        b.rt.begin_pass()
+        packed = b.rt.to_device(np.concatenate([ids, np.arange(start, start + T), seq.kv.rows[start:],
+                                                self.cache.page_table(seq.index, -(-seq.kv.reserved // PAGE_SIZE))
+                                                ]).astype(np.int32))
+        return b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[3 * T:], T, seq.kv.reserved)
 
     def sample(self, seqs: list[Sequence], logits) -> list[int]:
         return sample_batch(logits, [seq.sampling for seq in seqs], [seq.next_position for seq in seqs],
                             rt=self.backend.rt).tolist()
 
-    def _pass(self, items: list[tuple[Sequence, list[int]]], every_row: bool):
-        """One forward pass over the new positions of several sequences, rows in the order of `items`: each
-        sequence's slots reserved, one upload (ids, positions, slots, the row's sequence, the page tables), the
-        layers, each row's attention through its own sequence's page table. -> the logits [T, V] of every row
-        (every_row), or [1, V] of the last, left on the device."""
-        b, page = self.backend, self.cache.page_size
-        ids, positions, slots, seq_of_row = [], [], [], []
-        for s, (seq, new) in enumerate(items):
-            start = seq.kv.reserved
-            seq.kv.reserve(len(new))
-            ids += new
-            positions += range(start, start + len(new))
-            slots += list(seq.kv.rows[start:])
-            seq_of_row += [s] * len(new)
-        longest = max(seq.kv.reserved for seq, _ in items)
-        width = -(-longest // page)
-        tables = [self.cache.page_table(seq.index, width) for seq, _ in items]
-        T, S = len(ids), len(items)
-        b.rt.begin_pass()
-        packed = b.rt.to_device(np.concatenate([ids, positions, slots, seq_of_row, *tables]).astype(np.int32))
-        page_tables = packed[4 * T:].reshape(S, width)  # one row per sequence (-1 past its pages: never read)
-        return b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], (page_tables, packed[3 * T:4 * T]),
-                          T, longest, all_logits=every_row)
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """One step of the running sequences through the plan of their bucket (gpu.plan.bucket): each fed its last
+        token at its next slot."""
+        from .gpu.plan import BatchPlan, bucket
+
+        rows = bucket(len(seqs))
+        plan = self.plans.get(rows)
+        if plan is None:
+            plan = self.plans[rows] = BatchPlan(self.backend, rows, self.pad_slot)
+        inputs = []
+        for seq in seqs:
+            position = seq.kv.reserved
+            seq.kv.reserve(1)
+            settings = self._settings.get(seq.index)
+            if settings is None:
+                settings = self._settings[seq.index] = device_settings(*seq.sampling)
+            inputs.append((seq.tokens[-1], position, seq.kv.rows[position],
+                           self.cache.page_table(seq.index, plan.width), settings))
+        return plan.decode(inputs, graph=not SIMULATOR)
 
 
 def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,
@@ -298,10 +311,11 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
         raise ValueError("bad prompts, nothing was generated:\n  " + "\n  ".join(problems))
     if pages is None:
         pages = sum(sorted(-(-(len(s.prompt_ids) + max_new_tokens) // PAGE_SIZE) for s in seqs)[-max_running:])
+    longest = max(len(s.prompt_ids) + max_new_tokens for s in seqs)  # the longest sequence: it sizes the grids
     if backend == "cuda" or (backend == "auto" and gpu_available()):
-        runner, name = CudaBatch(model, pages, c.max_seq_len), "cuda (fused step, continuous batching)"
+        runner, name = CudaBatch(model, pages, longest), "cuda (fused step, graph per batch size, continuous batching)"
     else:
-        runner, name = NumpyBatch(model, pages, c.max_seq_len), "numpy (continuous batching)"
+        runner, name = NumpyBatch(model, pages, longest), "numpy (continuous batching)"
     return _continuous(model, seqs, runner, name, max_running, on_finish, on_step)
 
 

@@ -187,6 +187,22 @@ def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny):
     assert [o.token_ids for o in outs] == expected
 
 
+def test_cuda_batch_pads_its_bucket_and_leaves_the_padding_out(tiny, monkeypatch):
+    """Three sequences run in the plan of four rows (gpu.plan.BUCKETS): the padding row feeds the padding slot and
+    its token is never read; each sequence gets the reference's greedy tokens."""
+    from course_lib.batch import CudaBatch
+
+    plans = []
+    decode = CudaBatch.decode
+    monkeypatch.setattr(CudaBatch, "decode", lambda self, seqs: (decode(self, seqs),
+                                                                 plans.append((len(seqs), sorted(self.plans))))[0])
+    prompts, kw = [[5], [6, 7], [8]], dict(max_new_tokens=3, stop=False)
+    outs = generate_batch(tiny, prompts, backend="cuda", **kw)
+    assert plans == [(3, [4]), (3, [4])]
+    expected = [generate(as_computed(tiny, "bf16"), p, backend="numpy", **kw).token_ids for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+
+
 @pytest.mark.skipif(SIMULATOR, reason="the real model: a GPU test")
 def test_cuda_backend_gives_each_prompt_its_own_tokens(smollm):
     prompts = ["The capital of France is", "def fibonacci(n):"]

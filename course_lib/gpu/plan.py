@@ -1,4 +1,5 @@
-"""A step plan: one decode step of a CudaBackend's sequence, recorded once and replayed for every token.
+"""Step plans: one decode step recorded once and replayed for every token, for one sequence (`StepPlan`) or for the
+sequences of a batch (`BatchPlan`, one per batch-size bucket).
 
 Launched from Python, a decode step of the paged recipe costs the host hundreds of launches per token, and the GPU
 waits for them. Everything that changes from one token to the next already lives on the device, so the step can be
@@ -11,13 +12,12 @@ recorded once and replayed:
 - the grids are sized for the longest context the plan can reach: flash-decoding launches the chunks of a query at
   `capacity` keys and always merges them (its merge kernel, or its last blocks in one launch); blocks past the
   current context return at once;
-- the step ends with `sampling.sample_next`, which chooses the next token on the GPU, writes it into `token`,
-  advances `position` and `slot`, and records the id in `history`, host memory the GPU writes directly (4 bytes
-  per token cross to the host, not the 4 V bytes of the logits).
+- the step ends with the sampler, which chooses the next tokens on the GPU and writes them into host memory that the
+  GPU writes directly (4 bytes per token cross to the host, not the 4 V bytes of the logits).
 
-`stage()` writes the inputs from the host, outside any replay; `run()` launches the recorded list (the arguments
-flattened once); `capture(steps)` records `steps` steps into a CUDA graph (course_lib.gpu.graphs), replayed by one
-call. In the simulator there are no graphs: the same plan runs launch by launch.
+`run()` launches the recorded list (the arguments flattened once); `capture(steps)` records `steps` steps into a CUDA
+graph (course_lib.gpu.graphs), replayed by one call. In the simulator there are no graphs: the same plan runs launch
+by launch.
 """
 
 from __future__ import annotations
@@ -28,8 +28,56 @@ from ..kernels import SIMULATOR, cuda, launch, reshaped
 from ..kernels import sampling as k_sampling
 from .runtime import Runtime
 
+# the batch sizes BatchPlans are recorded for, as serving engines capture a graph per bucket: n sequences run in the
+# smallest bucket >= n, the rows past n padding (a bucket of n exactly past the last)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
-class StepPlan:
+
+def bucket(n: int) -> int:
+    """The rows of the plan that runs a batch of n sequences."""
+    return next((b for b in BUCKETS if b >= n), n)
+
+
+class Recorded:
+    """The launches of `body` (which queues one step through `rt`) recorded once, then replayed launch by launch
+    (`run`) or as a CUDA graph (`capture`, `replay`). `names`: the kernels of a step, in order."""
+
+    def __init__(self, rt: Runtime, body):
+        self.rt = rt
+        recorded = rt.record(body, scratch_per_site=True)
+        self.names = [name for name, *_ in recorded]
+        self._arguments = [args for *_, args in recorded]  # the arrays the flattened launches point at, kept alive
+        self._launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in recorded]
+        self._graphs = {}
+
+    @property
+    def launches(self) -> int:
+        """Kernels per step."""
+        return len(self._launches)
+
+    def run(self, steps: int = 1):
+        """Queue `steps` steps, launch by launch (arguments flattened once)."""
+        for _ in range(steps):
+            for go in self._launches:
+                go()
+
+    def capture(self, steps: int):
+        """A CUDA graph of `steps` steps, captured once (GPU only)."""
+        from .graphs import Graph
+
+        if steps not in self._graphs:
+            self._graphs[steps] = Graph(lambda: self.run(steps), self.rt.stream)
+        return self._graphs[steps]
+
+    def replay(self, steps: int, graph: bool):
+        """Queue `steps` steps: one graph launch (graph=True, on a GPU), or launch by launch."""
+        if graph and not SIMULATOR:
+            self.capture(steps).launch(self.rt.stream)
+        else:
+            self.run(steps)
+
+
+class StepPlan(Recorded):
     """The decode step of `backend` (a CudaBackend with the paged cache), recorded once.
 
     Buffers (all allocated here, once): inputs `token`, `position`, `slot` ([1] int32 each, views of `inputs`),
@@ -53,22 +101,13 @@ class StepPlan:
         self.history = cuda.mapped_array(self.capacity + 1, np.int32)
         self._staging = {}  # pinned host copies of the inputs, one per buffer
         self._table_sent = None
-        recorded = rt.record(self._step, scratch_per_site=True)
-        self.names = [name for name, *_ in recorded]
-        self._arguments = [args for *_, args in recorded]  # the arrays the flattened launches point at, kept alive
-        self._launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in recorded]
-        self._graphs = {}
+        super().__init__(rt, self._step)
 
     def buffers(self) -> dict[str, tuple]:
         """{name: (shape, dtype)} of the plan's named buffers (its RunState)."""
         named = {name: arr for name, arr in self.rt._pool.items() if isinstance(name, str)}
         return {name: (arr.shape, arr.dtype) for name, arr in named.items()} | {
             "history (mapped host memory)": (self.history.shape, self.history.dtype)}
-
-    @property
-    def launches(self) -> int:
-        """Kernels per step."""
-        return len(self._launches)
 
     def _step(self):
         b = self.backend
@@ -82,15 +121,6 @@ class StepPlan:
                self.page_table, self.backend.cache.page_size, self.history)
 
     # ---- the host's side ----
-
-    def _send(self, device_array, values):
-        """Queue a copy of `values` into device_array through a pinned buffer of its own (the stream is idle:
-        stage() synchronizes first, so the buffer is free)."""
-        host = self._staging.get(id(device_array))
-        if host is None:
-            host = self._staging[id(device_array)] = cuda.pinned_array(device_array.shape, device_array.dtype)
-        host[...] = values
-        device_array.copy_to_device(host, stream=self.rt.stream)
 
     def stage(self, position: int, steps: int, temperature: float, top_k: int | None, top_p: float | None,
               seed: int):
@@ -115,23 +145,78 @@ class StepPlan:
         """Queue the sampler on logits [1, V] of the staged position (the prefill's last token)."""
         self._sample(logits, self.backend.rt)
 
-    def run(self, steps: int = 1):
-        """Queue `steps` decode steps, launch by launch (arguments flattened once)."""
-        for _ in range(steps):
-            for go in self._launches:
-                go()
+    def _send(self, device_array, values):
+        """Queue a copy of `values` into device_array through a pinned buffer of its own (the stream is idle:
+        stage() synchronizes first, so the buffer is free)."""
+        host = self._staging.get(id(device_array))
+        if host is None:
+            host = self._staging[id(device_array)] = cuda.pinned_array(device_array.shape, device_array.dtype)
+        host[...] = values
+        device_array.copy_to_device(host, stream=self.rt.stream)
 
-    def capture(self, steps: int):
-        """A CUDA graph of `steps` decode steps, captured once (GPU only)."""
-        from .graphs import Graph
 
-        if steps not in self._graphs:
-            self._graphs[steps] = Graph(lambda: self.run(steps), self.rt.stream)
-        return self._graphs[steps]
+class BatchPlan(Recorded):
+    """The decode step of `rows` sequences of `backend`'s paged cache (a CudaBackend with the fused step), recorded
+    once: every row a sequence fed its last token, each row's attention through its own sequence's page table, each
+    row's next token sampled with its own settings at its own position (kernels.sampling.sample_rows).
 
-    def replay(self, steps: int, graph: bool):
-        """Queue `steps` decode steps: one graph launch (graph=True), or launch by launch."""
-        if graph and not SIMULATOR:
-            self.capture(steps).launch(self.rt.stream)
-        else:
-            self.run(steps)
+    Buffers (allocated here, once): `ints` int32 [5 rows + rows * width] holding, in this order, the rows' tokens,
+    positions, slots, sequence (row t: t), the position each samples at, and the page tables [rows, width]
+    (width: pages of the backend's capacity); `temperature_top_p` float64 [rows, 2], `top_k_seed` int64 [rows, 2];
+    `tokens` [rows] int32 in mapped host memory (the ids chosen, written by the GPU); the sampler's weights
+    uint64 [rows, V]; and the step's activations and scratch (`rt`'s named pool). The host fills pinned copies of
+    the inputs and sends them before each step.
+
+    A batch of fewer sequences pads its rows: a padding row feeds token 0 at position 0 into `pad_slot`, a cache row
+    no sequence owns, and its token is never read. Rows never mix: a row gets the bits it gets alone."""
+
+    def __init__(self, backend, rows: int, pad_slot: int):
+        self.backend, self.rows, self.pad_slot = backend, rows, pad_slot
+        c = backend.config
+        self.width = -(-backend.capacity // backend.cache.page_size)
+        self.rt = rt = Runtime(fast=backend.rt.fast, reuse=True)
+        rt.stream = backend.rt.stream  # one stream: the prefills and the steps run in order
+        self.ints = rt.empty(5 * rows + rows * self.width, np.int32, name="inputs")
+        self.token, self.position, self.slot, self.seq_of_row, self.sample_at = (
+            self.ints[i * rows:(i + 1) * rows] for i in range(5))
+        self.page_tables = self.ints[5 * rows:].reshape(rows, self.width)
+        self.temperature_top_p = rt.empty((rows, 2), np.float64, name="temperature_top_p")
+        self.top_k_seed = rt.empty((rows, 2), np.int64, name="top_k_seed")
+        self.weights = rt.empty((rows, c.vocab_size), np.uint64, name="sampler_weights")
+        self.tokens = cuda.mapped_array(rows, np.int32)
+        self._host = {name: cuda.pinned_array(arr.shape, arr.dtype) for name, arr in (
+            ("ints", self.ints), ("temperature_top_p", self.temperature_top_p), ("top_k_seed", self.top_k_seed))}
+        self._host["ints"][3 * rows:4 * rows] = np.arange(rows)
+        super().__init__(rt, self._step)
+
+    def _step(self):
+        logits = self.backend.run_pass(self.rt, self.token, self.position, self.slot,
+                                       (self.page_tables, self.seq_of_row), self.rows, self.backend.capacity,
+                                       all_logits=True)
+        launch(k_sampling.sample_rows, self.rows, k_sampling.THREADS, 0, self.rt, logits, self.weights,
+               self.temperature_top_p, self.top_k_seed, self.sample_at, self.tokens)
+
+    def decode(self, rows: list[tuple], graph: bool) -> list[int]:
+        """One step of up to `self.rows` sequences, each given as (token fed, its position, its slot, its page table
+        [<= width] int32, (temperature_top_p, top_k_seed) of kernels.sampling.device_settings): their next tokens
+        (NO_TOKEN for a row whose logits held a NaN). graph: replay the step's CUDA graph (GPU only)."""
+        n, R = len(rows), self.rows
+        if not 1 <= n <= R:
+            raise ValueError(f"a plan of {R} rows decodes 1 to {R} sequences, not {n}")
+        ints, floats, settings = self._host["ints"], self._host["temperature_top_p"], self._host["top_k_seed"]
+        token, position, slot, sample_at = (ints[i * R:(i + 1) * R] for i in (0, 1, 2, 4))
+        tables = ints[5 * R:].reshape(R, self.width)
+        self.rt.synchronize()  # the previous step has read its inputs: the pinned copies are free
+        # every row padding (greedy, token 0 at position 0 in the padding slot), then the sequences' rows
+        token[:], position[:], slot[:], sample_at[:], floats[:], settings[:] = 0, 0, self.pad_slot, 0, 0, 0
+        tables[:] = -1
+        tables[:, 0] = self.pad_slot // self.backend.cache.page_size
+        for r, (tok, pos, row_slot, table, (row_floats, row_settings)) in enumerate(rows):
+            token[r], position[r], slot[r], sample_at[r] = tok, pos, row_slot, pos + 1
+            tables[r, :len(table)] = table
+            floats[r], settings[r] = row_floats, row_settings
+        for name in ("ints", "temperature_top_p", "top_k_seed"):
+            getattr(self, name).copy_to_device(self._host[name], stream=self.rt.stream)
+        self.replay(1, graph)
+        self.rt.synchronize()
+        return self.tokens[:n].tolist()

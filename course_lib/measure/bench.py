@@ -536,6 +536,6 @@ def format_batch(rows: list[dict]) -> str:
         ratio = f"{r['tokens_per_s'] / base:>10.1f}x" if base else f"{'':>11}"
         lines.append(f"{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['ms_per_step']:>9.2f}{ratio}  "
                      f"{'yes' if r['same_text'] else 'NO'}")
-    lines.append("tok/s: decode tokens of all sequences per second (generate_batch, the fused step, kernels launched "
-                 "one by one)")
+    lines.append("tok/s: decode tokens of all sequences per second (generate_batch: the fused step of the batch "
+                 "replayed as the CUDA graph of its bucket)")
     return "\n".join(lines)
