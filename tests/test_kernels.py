@@ -936,4 +936,5 @@ def test_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, how, K, N, dtype):
 
     together = product(np.arange(R))
     for r in (0, nw.ROW_TILE, nw.TILE_ROWS + 1, R - 2, R - 1):  # rows of two warps, of the second pass, the last two
-        np.testing.assert_array_equal(product(np.array([r])).view(np.uint32), together[r:r + 1].view(np.uint32), err_msg=f"row {r}")
+        np.testing.assert_array_equal(product(np.array([r])).view(np.uint32), together[r:r + 1].view(np.uint32),
+                                      err_msg=f"row {r}")
