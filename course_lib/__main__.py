@@ -131,15 +131,17 @@ def _bench(args) -> int:
     if not device.gpu_available():
         raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")
 
-    from .measure.bench import bench_batch, format_batch, format_bench, run_bench
+    from .measure.bench import batch_peers, bench_batch, format_batch, format_bench, run_bench
 
     model = _bench_model(args.model)
     if sizes:
         rows = bench_batch(model, sizes, args.context, args.steps, args.weights)
-        print(format_batch(rows))
+        peers = {} if args.no_peers else batch_peers(model.config, max(sizes), args.context, args.steps)
+        print(format_batch(rows, peers, max(sizes)))
         if args.save:
             with open(args.save, "w") as f:
-                json.dump({"batch": rows, "context": args.context, "steps": args.steps}, f, indent=1)
+                json.dump({"batch": rows, "context": args.context, "steps": args.steps, "peers": peers,
+                           "peer_batch": max(sizes)}, f, indent=1)
         return 0
     recipes = None if args.recipes == "all" else args.recipes.split(",")
     result = run_bench(model, recipes, args.weights, args.context, args.steps, peers=not args.no_peers,

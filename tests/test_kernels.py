@@ -917,11 +917,10 @@ def test_matmul_transposed_real(rng, config, dtype):
 @pytest.mark.parametrize("how,K,N,dtype", [("bias", 80, 40, "bf16"), ("accumulate", 67, 33, "f32"),
                                            ("norm", 80, 40, "bf16")])  # 16-byte loads, or one element per load
 def test_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, how, K, N, dtype):
-    """A launch of many rows (a batch: split_k_rows_sums, its warps owning rows, the rows past a multiple of
-    KERNEL_ROWS in a launch of their own) gives every row the bits that row gets alone, in a launch of one row:
-    plain with a bias, adding into the output, and normalizing its rows. K: slices of a class length that is not
-    a whole number of the warps' steps."""
-    R = 2 * nw.TILE_ROWS + nw.KERNEL_ROWS + 1  # two passes of a block's tile, a partial one, and a row left over
+    """A launch of many rows (a batch's: a chunked launch, each block summing KERNEL_ROWS rows at a time, and the
+    rows past a multiple of KERNEL_ROWS in a launch of their own) gives every row the bits that row gets alone, in
+    a launch of one row: plain with a bias, adding into the output, and normalizing its rows."""
+    R = 3 * nw.KERNEL_ROWS + 1
     a, x0 = randn(rng, R, K), randn(rng, R, N)
     b = randn(rng, K, N, scale=0.2)
     b = f32_to_bf16(b) if dtype == "bf16" else b
@@ -935,6 +934,6 @@ def test_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, how, K, N, dtype):
                                 accumulate=accumulate, norm=norm).copy_to_host()
 
     together = product(np.arange(R))
-    for r in (0, nw.ROW_TILE, nw.TILE_ROWS + 1, R - 2, R - 1):  # rows of two warps, of the second pass, the last two
+    for r in (0, nw.KERNEL_ROWS + 1, R - 2, R - 1):  # rows of the first and second groups of the chunk, the last two
         np.testing.assert_array_equal(product(np.array([r])).view(np.uint32), together[r:r + 1].view(np.uint32),
                                       err_msg=f"row {r}")

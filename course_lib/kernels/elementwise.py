@@ -67,24 +67,12 @@ def row_rms(x, r, eps, scratch):
     NORM_THREADS, a multiple of 32; scratch: shared float32[32]). The first NORM_THREADS threads add the squares,
     the others add nothing: the same bits in rms_norm's blocks and in the wider blocks of the kernels that fuse
     the norm into a matmul (the extra warps contribute zeros, which leave every sum of the reduction as it was)."""
-    return rms_of(block_sum(squares_share(x, r), scratch), x.shape[1], eps)
-
-
-@cuda.jit(device=True)
-def squares_share(x, r):
-    """The squares of row r of x that this thread adds in row_rms: x[r, j]^2 for j = threadIdx.x, threadIdx.x +
-    NORM_THREADS, ... (none past the first NORM_THREADS threads)."""
     sum_sq = float32(0)
     if cuda.threadIdx.x < NORM_THREADS:
         for j in range(cuda.threadIdx.x, x.shape[1], NORM_THREADS):
             sum_sq += x[r, j] * x[r, j]
-    return sum_sq
-
-
-@cuda.jit(device=True)
-def rms_of(sum_sq, d, eps):
-    """sqrt(sum_sq / d + eps), the end of row_rms."""
-    return float32(math.sqrt(sum_sq / float32(d) + eps))
+    sum_sq = block_sum(sum_sq, scratch)
+    return float32(math.sqrt(sum_sq / float32(x.shape[1]) + eps))
 
 
 # ---- kernels ----

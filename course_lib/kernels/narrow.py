@@ -19,10 +19,9 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel 
   The atomic only elects a block: the sums are always added in the same order, so the result is the same bit
   for bit from run to run, whichever block comes last. The bias is added there, for free (no bias kernel).
 A block sums at most KERNEL_ROWS rows at once (R x 8 running sums per thread: 16 rows would need more registers
-than 16 warps can have). A launch of more rows (a batch's, up to LAUNCH_ROWS) turns the block around
-(`split_k_rows_sums`): each warp owns ROW_TILE rows and walks the classes of K that the warps walk for few rows, one
-after another and in the same order, so every weight it loads serves ROW_TILE rows; the rows left over past a
-multiple of KERNEL_ROWS get a launch of their own. A row's result therefore does not depend on R (the
+than 16 warps can have); a launch of more rows (up to LAUNCH_ROWS) has each block sum them KERNEL_ROWS at a time
+(its slice of the weights comes from memory for the first rows, from the cache for the next), and the rows left
+over past a multiple of KERNEL_ROWS get a launch of their own. A row's result therefore does not depend on R (the
 slices depend only on K and N, and each row is summed in the same order by the same geometry): one token alone,
 inside a prompt or inside a batch gets the same bits.
 
@@ -60,15 +59,13 @@ from course_lib.kernels import (
     sm_count,
 )
 from course_lib.kernels import matmul as mm
-from course_lib.kernels.elementwise import FULL_MASK, rms_of, row_rms, segment_sum, squares_share
+from course_lib.kernels.elementwise import row_rms, segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
 KERNEL_ROWS = 4  # rows a split-K block sums at once: more would not fit the registers of 16 warps (65,536 per SM);
-# a launch of more rows is chunked: its warps own rows instead of classes of K (split_k_rows_sums)
-ROW_TILE = 4  # rows of a warp in split_k_rows_sums (32 lanes compute the x of ROW_TILE rows x 32 / ROW_TILE k)
-TILE_ROWS = WARPS * ROW_TILE  # rows of a block's pass in split_k_rows_sums
+# a launch of more rows sums them KERNEL_ROWS at a time (chunked)
 LAUNCH_ROWS = 64  # rows of a chunked launch at most (a multiple of KERNEL_ROWS): a batch of 64 sequences in one
 # launch per projection, and the partial sums of a long prefill bounded ([S, 64, N])
 THREADS = 32 * WARPS
@@ -150,9 +147,9 @@ def split_k_block_for(rows, width, load, normed, chunked=False):
     columns per lane (1, or VEC with 16-byte loads): load(b, k, v, per_row) gives the `width` float32 weights of
     row k, columns width v .. width v + width - 1. normed: the rows of a are RMS-normalized on the fly, h[r, k] =
     a[r, k] / rms(a[r]) * gamma[k], with the same bits as rms_norm (`elementwise.row_rms`), so no normalized copy
-    is written or read. chunked: a holds any number of rows, summed together by split_k_rows_sums, each row with
-    the bits a launch of `rows` rows gives it. The kernels of this module and of `fused` are thin wrappers around
-    it."""
+    is written or read. chunked: a holds any multiple of `rows` rows, summed `rows` at a time by the same block (its
+    slice of the weights comes from memory once, then from the cache), each row as a launch of `rows` rows would.
+    The kernels of this module and of `fused` are thin wrappers around it."""
     group = 32 * width  # columns of a block
 
     @cuda.jit(device=True)
@@ -208,90 +205,17 @@ def split_k_block_for(rows, width, load, normed, chunked=False):
     @cuda.jit(device=True)
     def split_k_block(g, s, a, gamma, eps, b, partial, done):
         """Block (g, s) of the split-K product a [R, K] @ b [K, N]: sums slice s of K for the columns of group g
-        into partial[s] [R, N] (chunked: every row of a, by split_k_rows_sums), then counts itself in done[g].
-        Returns True in the group's last block to finish (every slice of the group is then in partial), False
-        elsewhere. Every thread of the block calls."""
+        into partial[s] [R, N] (chunked: `rows` rows at a time), then counts itself in done[g]. Returns True in the
+        group's last block to finish (every slice of the group is then in partial), False elsewhere. Every thread
+        of the block calls."""
         if chunked:
-            rows_sums(g, s, a, gamma, eps, b, partial)
+            for r0 in range(0, a.shape[0], rows):
+                split_k_sums(g, s, a[r0:r0 + rows], gamma, eps, b, partial[:, r0:r0 + rows])
         else:
             split_k_sums(g, s, a, gamma, eps, b, partial)
         return last_to_arrive(done, g, partial.shape[0])
 
-    rows_sums = split_k_rows_sums_for(width, load, normed) if chunked else None
     return split_k_block
-
-
-@functools.cache
-def split_k_rows_sums_for(width, load, normed):
-    """The device function split_k_rows_sums(g, s, a, gamma, eps, b, partial): split_k_sums for every row of a
-    [R, K] at once (a batch's rows), with the same bits, but tiled over the rows instead of over K.
-
-    split_k_sums adds up element (r, n) of slice s in a fixed order: warp w sums the class k = k0 + w, k0 + w +
-    WARPS, ... in ascending k from zero, and the WARPS class sums are added in warp order. Here warp w owns
-    ROW_TILE rows and every class, in that order, for the lane's `width` columns: each weight it loads serves
-    ROW_TILE rows (the other warps read the same weights from the L1 cache), and no shared-memory meeting of the
-    warps is needed. The x of a class (a[r, k], normalized when `normed`, the same expression) are computed once
-    per warp, one per lane, and passed round by shuffles. The row norms are row_rms's sums, computed for
-    TILE_ROWS rows at once (one block reduction for all)."""
-    per_lane = 32 // ROW_TILE  # the k of a class whose x the warp's lanes compute at once
-
-    @cuda.jit(device=True)
-    def split_k_rows_sums(g, s, a, gamma, eps, b, partial):
-        warp_sums = cuda.shared.array((TILE_ROWS, WARPS), dtype=float32)
-        scale = cuda.local.array(ROW_TILE, dtype=float32)
-        xs = cuda.local.array(ROW_TILE, dtype=float32)
-        acc = cuda.local.array((ROW_TILE, width), dtype=float32)
-        total = cuda.local.array((ROW_TILE, width), dtype=float32)
-        R, K, N, S = a.shape[0], a.shape[1], partial.shape[2], partial.shape[0]
-        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
-        v, per_row = g * 32 + lane, N // width
-        k0, k_end = s * K // S, (s + 1) * K // S
-        for r0 in range(0, R, TILE_ROWS):
-            first = r0 + warp * ROW_TILE  # the warp's rows: first .. first + ROW_TILE - 1
-            if normed:  # row_rms of every row of the tile: the warps' shares, then each warp finishes its rows
-                for t in range(TILE_ROWS):
-                    sum_sq = segment_sum(squares_share(a, min(r0 + t, R - 1)), 32)
-                    if lane == 0:
-                        warp_sums[t, warp] = sum_sq
-                cuda.syncthreads()
-                for i in range(ROW_TILE):
-                    share = warp_sums[warp * ROW_TILE + i, lane] if lane < WARPS else float32(0)
-                    scale[i] = rms_of(segment_sum(share, 32), K, eps)
-                cuda.syncthreads()
-            for i in range(ROW_TILE):
-                for c in range(width):
-                    total[i, c] = float32(0)
-            for cls in range(WARPS):
-                for i in range(ROW_TILE):
-                    for c in range(width):
-                        acc[i, c] = float32(0)
-                for j0 in range(k0 + cls, k_end, WARPS * per_lane):  # per_lane k of the class at a time
-                    mine, k = lane // per_lane, j0 + WARPS * (lane % per_lane)  # this lane's x: row first + mine
-                    x = float32(0)
-                    if k < k_end and first + mine < R:
-                        x = a[first + mine, k]
-                        if normed:
-                            x = x / scale[mine] * gamma[k]
-                    for j in range(per_lane):
-                        k = j0 + WARPS * j
-                        if k < k_end:
-                            for i in range(ROW_TILE):
-                                xs[i] = cuda.shfl_sync(FULL_MASK, x, i * per_lane + j)
-                            if v < per_row:
-                                w = load(b, k, v, per_row)
-                                for i in range(ROW_TILE):
-                                    for c in range(width):
-                                        acc[i, c] += xs[i] * w[c]
-                for i in range(ROW_TILE):
-                    for c in range(width):
-                        total[i, c] = acc[i, c] if cls == 0 else total[i, c] + acc[i, c]
-            if v < per_row:
-                for i in range(ROW_TILE):
-                    if first + i < R:
-                        for c in range(width):
-                            partial[s, first + i, v * width + c] = total[i, c]
-
-    return split_k_rows_sums
 
 
 @functools.cache

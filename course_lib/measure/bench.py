@@ -529,13 +529,27 @@ def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str =
     return rows
 
 
-def format_batch(rows: list[dict]) -> str:
+def batch_peers(config, batch: int, context: int = 64, steps: int = 64) -> dict[str, float]:
+    """{mode: aggregate decode tokens/s} of the PyTorch peer (measure.peers) decoding `batch` sequences together
+    with a CUDA graph, and compiled then graphed, at the context of bench_batch; {} without PyTorch on a GPU."""
+    from . import peers
+
+    torch = torch_cuda()
+    if torch is None:
+        return {}
+    return peers.tokens_per_s(torch, config, steps=steps, max_len=context + steps + 1, modes=("graph", "compile+graph"),
+                              context=context, batch=batch)
+
+
+def format_batch(rows: list[dict], peers: dict | None = None, peer_batch: int | None = None) -> str:
     lines = [f"{'batch':>6}{'tok/s':>11}{'ms/step':>9}{'x batch 1':>11}  same text as alone"]
     base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1), None)
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base:>10.1f}x" if base else f"{'':>11}"
         lines.append(f"{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['ms_per_step']:>9.2f}{ratio}  "
                      f"{'yes' if r['same_text'] else 'NO'}")
+    for mode, tps in (peers or {}).items():
+        lines.append(f"torch {mode} at batch {peer_batch}: {tps:,.1f} tok/s (random weights, same shapes)")
     lines.append("tok/s: decode tokens of all sequences per second (generate_batch: the fused step of the batch "
                  "replayed as the CUDA graph of its bucket)")
     return "\n".join(lines)
