@@ -497,33 +497,27 @@ def format_bench(r: dict) -> str:
 
 def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str = "bf16") -> list[dict]:
     """Aggregate decode throughput of generate_batch on the CUDA backend (the fused step over B sequences, course_lib
-    .batch) for each batch size B of `sizes`: B random prompts of `context` tokens, all admitted at once, greedy.
-    Each size runs once to warm up (its kernels for B rows compile on first use), then for 8 and for 8 + steps new
-    tokens: the difference of the two wall times is `steps` decode steps of the B sequences (the prefills and the
-    first steps cancel out). same_text: the first sequence gets the tokens it gets alone (B = 1).
-    -> [{"batch", "tokens_per_s", "ms_per_step", "same_text"}]."""
+    .batch) for each batch size B of `sizes`: B random prompts of `context` tokens, all admitted at once, greedy,
+    8 + steps new tokens. The clock is read as each decode step starts (generate_batch's on_step): the last `steps`
+    steps are timed, after the prefills, the first steps and the capture of the bucket's graph. same_text: the first
+    sequence gets the tokens it gets alone (B = 1). -> [{"batch", "tokens_per_s", "ms_per_step", "same_text"}]."""
     from ..batch import generate_batch
 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, model.config.vocab_size, context).tolist() for _ in range(max(sizes))]
 
-    def run(batch, new_tokens):
-        start = time.perf_counter()
-        outs = generate_batch(model, prompts[:batch], max_new_tokens=new_tokens, stop=False, backend="cuda",
-                              max_running=batch)
-        return time.perf_counter() - start, outs[0].token_ids
+    def run(batch):
+        starts = []
+        outs = generate_batch(model, prompts[:batch], max_new_tokens=8 + steps, stop=False, backend="cuda",
+                              max_running=batch, on_step=lambda running: starts.append(time.perf_counter()))
+        cuda.synchronize()
+        starts.append(time.perf_counter())  # the end of the last step (its tokens are back on the host)
+        return starts[-1] - starts[-1 - steps], outs[0].token_ids
 
-    run(1, 2)  # warm-up: kernels compiled and loaded
-    alone = run(1, 8 + steps)[1]
+    alone = run(1)[1]
     rows = []
     for batch in sizes:
-        run(batch, 2)  # warm-up: the kernels of B rows compile on first use (inside `short`, they cancelled the steps)
-        short, _ = run(batch, 8)
-        long, first = run(batch, 8 + steps)
-        seconds = long - short
-        if seconds <= 0:
-            raise RuntimeError(f"bench_batch: {steps} more steps of batch {batch} took no time ({long:.3f} s against "
-                               f"{short:.3f} s): the two runs did not do the same work besides the steps")
+        seconds, first = run(batch)
         rows.append({"batch": batch, "tokens_per_s": batch * steps / seconds, "ms_per_step": 1e3 * seconds / steps,
                      "same_text": first == alone})
     return rows
