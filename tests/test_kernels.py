@@ -626,14 +626,6 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
                          f"{F2})"))
             jobs.append((f"gate_up_swiglu[{kind}, R={rows}]", fused.gate_up_kernel(rows, kind, "f32", True),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
-        if rows == narrow.KERNEL_ROWS and kind == "bf16x8":  # chunked: any multiple of KERNEL_ROWS rows
-            jobs.append(("split_k_add[chunked]", narrow.kernel_for("split_k", kind, rows, "f32", True, chunked=True),
-                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
-            jobs.append(("qkv_rope[chunked]", fused.qkv_rope_kernel(rows, kind, "f32", True, np.float32, 64, True),
-                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, {F3}, {F3}, {I1}, {I1}, "
-                         f"{F2})"))
-            jobs.append(("gate_up_swiglu[chunked]", fused.gate_up_kernel(rows, kind, "f32", True, True),
-                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
                      f"void({F2}, {F1}, float32, {a2}, {w2}, {F2})" if kind.endswith("x8")
@@ -746,7 +738,7 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     check(got.copy_to_host(), want, tol)
     [(slices, rows, cols)] = set(rt.partials)  # the partial sums, shared by the launches
     assert rt.allocations == 0  # out was given; the partial sums are a view of a buffer kept between calls
-    whole = M - M % nw.KERNEL_ROWS if M > nw.KERNEL_ROWS else 0  # rows of the chunked launch; then the rest
+    whole = M - M % nw.KERNEL_ROWS if M > nw.KERNEL_ROWS else 0  # rows of the launch of chunks; then the rest
     assert (rows, cols) == (max(whole, M - whole), N) and slices >= 2 and K % slices != 0  # K not a multiple
     launches = (whole > 0) + (whole < M)  # the bias inside
     assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"] * launches
@@ -754,8 +746,8 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
 
 def test_matmul_narrow_deterministic(rng):
     """Fixed summation order (no atomics): two runs agree bit for bit, and a row's result does not depend on the
-    other rows (one token alone or inside a prompt gets the same bits), here across a chunked launch (two groups of
-    KERNEL_ROWS rows summed one after the other by each block) and a launch of the row left."""
+    other rows (one token alone or inside a prompt gets the same bits), here across a launch of two chunks of
+    KERNEL_ROWS rows (a block for each) and a launch of the row left."""
     M = 2 * nw.KERNEL_ROWS + 1
     a, b, bias, want, tol = linear_case(rng, M, 200, 72, "bf16", "f32")
     a_dev, b_dev, bias_dev = dev(a), dev(b), dev(bias)
@@ -769,7 +761,7 @@ def test_matmul_narrow_deterministic(rng):
 
 
 def test_matmul_narrow_many_rows(rng):
-    """More rows than a chunked launch takes (LAUNCH_ROWS): launches of LAUNCH_ROWS rows, then a multiple of
+    """More rows than a launch takes (LAUNCH_ROWS): launches of LAUNCH_ROWS rows, then a multiple of
     KERNEL_ROWS, then the rest; every row within the float32 tolerance, and the last one bit for bit as alone."""
     M = nw.LAUNCH_ROWS + nw.KERNEL_ROWS + 2
     a, b, bias, want, tol = linear_case(rng, M, 40, 24, "bf16", "f32")
@@ -783,7 +775,7 @@ def test_matmul_narrow_many_rows(rng):
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("N", [72, 71])
-@pytest.mark.parametrize("M", [1, 6])  # 6: a chunked launch of 4 rows and one of 2
+@pytest.mark.parametrize("M", [1, 6])  # 6: a launch of 4 rows and one of 2
 def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype):
     """out += a @ b in the reduction (the fused residual) gives the bits of the matmul then the add kernel."""
     a, b, _, want, tol = linear_case(rng, M, 200, N, dtype, None)
@@ -917,9 +909,9 @@ def test_matmul_transposed_real(rng, config, dtype):
 @pytest.mark.parametrize("how,K,N,dtype", [("bias", 80, 40, "bf16"), ("accumulate", 67, 33, "f32"),
                                            ("norm", 80, 40, "bf16")])  # 16-byte loads, or one element per load
 def test_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, how, K, N, dtype):
-    """A launch of many rows (a batch's: a chunked launch, each block summing KERNEL_ROWS rows at a time, and the
-    rows past a multiple of KERNEL_ROWS in a launch of their own) gives every row the bits that row gets alone, in
-    a launch of one row: plain with a bias, adding into the output, and normalizing its rows."""
+    """A launch of many rows (a batch's: a block per chunk of KERNEL_ROWS rows, each chunk with its own counters,
+    and the rows past a multiple of KERNEL_ROWS in a launch of their own) gives every row the bits that row gets
+    alone, in a launch of one row: plain with a bias, adding into the output, and normalizing its rows."""
     R = 3 * nw.KERNEL_ROWS + 1
     a, x0 = randn(rng, R, K), randn(rng, R, N)
     b = randn(rng, K, N, scale=0.2)
@@ -934,6 +926,6 @@ def test_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, how, K, N, dtype):
                                 accumulate=accumulate, norm=norm).copy_to_host()
 
     together = product(np.arange(R))
-    for r in (0, nw.KERNEL_ROWS + 1, R - 2, R - 1):  # rows of the first and second groups of the chunk, the last two
+    for r in (0, nw.KERNEL_ROWS + 1, R - 2, R - 1):  # rows of the first and second chunks, the last two
         np.testing.assert_array_equal(product(np.array([r])).view(np.uint32), together[r:r + 1].view(np.uint32),
                                       err_msg=f"row {r}")

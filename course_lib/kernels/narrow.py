@@ -18,12 +18,14 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel 
   out[r, n] = partial[0, r, n] + ... + partial[S - 1, r, n] (+ bias[n]) in slice order, and resets the counter.
   The atomic only elects a block: the sums are always added in the same order, so the result is the same bit
   for bit from run to run, whichever block comes last. The bias is added there, for free (no bias kernel).
-A block sums at most KERNEL_ROWS rows at once (R x 8 running sums per thread: 16 rows would need more registers
-than 16 warps can have); a launch of more rows (up to LAUNCH_ROWS) has each block sum them KERNEL_ROWS at a time
-(its slice of the weights comes from memory for the first rows, from the cache for the next), and the rows left
-over past a multiple of KERNEL_ROWS get a launch of their own. A row's result therefore does not depend on R (the
-slices depend only on K and N, and each row is summed in the same order by the same geometry): one token alone,
-inside a prompt or inside a batch gets the same bits.
+A block sums at most KERNEL_ROWS rows (R x 8 running sums per thread: 16 rows would need more registers than 16
+warps can have). A launch of more rows (up to LAUNCH_ROWS, a multiple of KERNEL_ROWS: a batch's) has a third grid
+dimension, one chunk of KERNEL_ROWS rows per block (`rows_of_block`), each chunk with its own completion counters and
+its own elected blocks: the block of a chunk is exactly the block of a launch of those rows alone, and the blocks of
+every chunk, their sums and their additions of the slices spread over the GPU (the chunks' blocks read the same
+weights, from the L2 cache after the first). The rows left over past a multiple of KERNEL_ROWS get a launch of
+their own. A row's result therefore does not depend on R (the slices depend only on K and N, and each row is summed
+in the same order by the same geometry): one token alone, inside a prompt or inside a batch gets the same bits.
 
 Transposed matmul, out[R, N] = a[R, K] @ b[N, K].T without copying b (tied-embedding logits: b is the [vocab, d]
 embedding table), in one kernel, `matmul_transposed_vec`: a team of 8 lanes per row n of b (a warp takes 4 rows
@@ -64,10 +66,10 @@ from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
-KERNEL_ROWS = 4  # rows a split-K block sums at once: more would not fit the registers of 16 warps (65,536 per SM);
-# a launch of more rows sums them KERNEL_ROWS at a time (chunked)
-LAUNCH_ROWS = 64  # rows of a chunked launch at most (a multiple of KERNEL_ROWS): a batch of 64 sequences in one
-# launch per projection, and the partial sums of a long prefill bounded ([S, 64, N])
+KERNEL_ROWS = 4  # rows a split-K block sums: more would not fit the registers of 16 warps (65,536 per SM); a launch
+# of more rows has a block per chunk of KERNEL_ROWS rows (grid z)
+LAUNCH_ROWS = 64  # rows of a launch at most (a multiple of KERNEL_ROWS): a batch of 64 sequences in one launch per
+# projection, and the partial sums of a long prefill bounded ([S, 64, N])
 THREADS = 32 * WARPS
 # at most 65,536 / THREADS = 128 registers per thread, or a block of 16 warps cannot launch (the fused epilogues
 # need more otherwise): a launch bound tells the compiler
@@ -142,14 +144,13 @@ def sum_slices(partial, r, n):
 # ---- the split-K block and its epilogues: device functions of (virtual block index, buffers) ----
 
 @functools.cache
-def split_k_block_for(rows, width, load, normed, chunked=False):
+def split_k_block_for(rows, width, load, normed):
     """The device function split_k_block(g, s, a, gamma, eps, b, partial, done) -> bool for R = rows, `width`
     columns per lane (1, or VEC with 16-byte loads): load(b, k, v, per_row) gives the `width` float32 weights of
     row k, columns width v .. width v + width - 1. normed: the rows of a are RMS-normalized on the fly, h[r, k] =
     a[r, k] / rms(a[r]) * gamma[k], with the same bits as rms_norm (`elementwise.row_rms`), so no normalized copy
-    is written or read. chunked: a holds any multiple of `rows` rows, summed `rows` at a time by the same block (its
-    slice of the weights comes from memory once, then from the cache), each row as a launch of `rows` rows would.
-    The kernels of this module and of `fused` are thin wrappers around it."""
+    is written or read. The kernels of this module and of `fused` are thin wrappers around it (a launch of many rows
+    calls it once per chunk of rows: `rows_of_block`)."""
     group = 32 * width  # columns of a block
 
     @cuda.jit(device=True)
@@ -205,17 +206,21 @@ def split_k_block_for(rows, width, load, normed, chunked=False):
     @cuda.jit(device=True)
     def split_k_block(g, s, a, gamma, eps, b, partial, done):
         """Block (g, s) of the split-K product a [R, K] @ b [K, N]: sums slice s of K for the columns of group g
-        into partial[s] [R, N] (chunked: `rows` rows at a time), then counts itself in done[g]. Returns True in the
-        group's last block to finish (every slice of the group is then in partial), False elsewhere. Every thread
-        of the block calls."""
-        if chunked:
-            for r0 in range(0, a.shape[0], rows):
-                split_k_sums(g, s, a[r0:r0 + rows], gamma, eps, b, partial[:, r0:r0 + rows])
-        else:
-            split_k_sums(g, s, a, gamma, eps, b, partial)
+        into partial[s] [R, N], then counts itself in done[g]. Returns True in the group's last block to finish
+        (every slice of the group is then in partial), False elsewhere. Every thread of the block calls."""
+        split_k_sums(g, s, a, gamma, eps, b, partial)
         return last_to_arrive(done, g, partial.shape[0])
 
     return split_k_block
+
+
+@cuda.jit(device=True)
+def rows_of_block(R, done):
+    """(lo, hi, counters): the rows lo .. hi - 1 of a launch's R rows that this block sums, chunk blockIdx.z of
+    KERNEL_ROWS rows (grid z: R / KERNEL_ROWS for a launch of many rows, 1 for at most KERNEL_ROWS), and the
+    chunk's own completion counters, one per column group, in `done` [groups x chunks]."""
+    lo = cuda.blockIdx.z * KERNEL_ROWS
+    return lo, min(R, lo + KERNEL_ROWS), done[cuda.blockIdx.z * cuda.gridDim.x:]
 
 
 @functools.cache
@@ -258,18 +263,19 @@ def store_group_for(group, bias_f32, accumulate):
 
 # ---- kernel factories: one kernel per (rows, weight kind) ----
 
-def _make_split_k(rows, width, load, bias_f32, accumulate, normed, chunked):
+def _make_split_k(rows, width, load, bias_f32, accumulate, normed):
     """The split-K kernel: split_k_block then, in each group's last block, store_group (see the top)."""
-    block = split_k_block_for(rows, width, load, normed, chunked)
+    block = split_k_block_for(rows, width, load, normed)
     store = store_group_for(32 * width, bias_f32, accumulate)
 
     def matmul_split_k(a, gamma, eps, b, bias, partial, done, out):
         """out = h [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), or out += that when the kernel
         accumulates; h = a, or RMSNorm(a) * gamma [K] (eps) when normed; through partial [S, R, N] and done
-        (split_k_block). Grid (ceil(N / group), S), THREADS."""
+        (split_k_block), done [groups x chunks]. Grid (ceil(N / group), S, chunks of rows_of_block), THREADS."""
         g = cuda.blockIdx.x
-        if block(g, cuda.blockIdx.y, a, gamma, eps, b, partial, done):
-            store(g, partial, bias, out)
+        lo, hi, counters = rows_of_block(a.shape[0], done)
+        if block(g, cuda.blockIdx.y, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
+            store(g, partial[:, lo:hi], bias, out[lo:hi])
 
     name = ("matmul_split_k" + ("_norm" if normed else "") + ("_vec" if width == VEC else "")
             + ("_add" if accumulate else ""))
@@ -412,20 +418,18 @@ _TRANSPOSED = {
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked) -> kernel, built on first use
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed) -> kernel, built on first use
 
 
-def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,
-               chunked: bool = False):
+def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
-    normalizing its rows of a when `normed`, taking any multiple of `rows` rows when `chunked`; built and cached on
-    first use."""
-    key = (family, kind, rows, bias, accumulate, normed, chunked)
+    normalizing its rows of a when `normed`; built and cached on first use."""
+    key = (family, kind, rows, bias, accumulate, normed)
     if key not in _KERNELS:
         if family == "split_k":
             width, load = SPLIT_K_LOADS[kind]
-            _KERNELS[key] = _make_split_k(rows, width, load, BIAS_READERS[bias], accumulate, normed, chunked)
+            _KERNELS[key] = _make_split_k(rows, width, load, BIAS_READERS[bias], accumulate, normed)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows, normed)
     return _KERNELS[key]
@@ -484,43 +488,44 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     if accumulate and out is None:
         raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    split_k_launches(lambda rows, kind, bias_kind, chunked: kernel_for("split_k", kind, rows, bias_kind, accumulate,
-                                                                      norm is not None, chunked),
+    split_k_launches(lambda rows, kind, bias_kind: kernel_for("split_k", kind, rows, bias_kind, accumulate,
+                                                             norm is not None),
                      a, b, bias, norm, (), (out,), stream, rt)
     return out
 
 
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
-    scratch): kernel_of(rows, weight kind, bias kind, chunked)[grid, THREADS](a[part], gamma, eps, weights, bias,
-    partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else chunked
-    launches of up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS (each block sums its slice KERNEL_ROWS rows at a
-    time), and one of the rows left. width: 1 or VEC columns per lane, or None for VEC when N % VEC == 0 and b is
-    16-byte aligned. slices_of: the column count whose split_k sets the slices (N by default; a fused kernel takes
-    the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias and norm."""
+    scratch): kernel_of(rows, weight kind, bias kind)[grid, THREADS](a[part], gamma, eps, weights, bias, partial,
+    done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else launches of up to
+    LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, with a block per chunk of KERNEL_ROWS rows (grid (groups, S,
+    chunks)), and one of the rows left. width: 1 or VEC columns per lane, or None for VEC when N % VEC == 0 and b
+    is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by default; a fused kernel
+    takes the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias and norm."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
     kind = weight_kind(b, vector=width == VEC)
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
-    parts, lo = [], 0  # chunked launches of at most LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, then the rest
+    parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, then the rest
     while R - lo > KERNEL_ROWS:
         n = min(R - lo, LAUNCH_ROWS)
         parts.append((lo, lo + n - n % KERNEL_ROWS))
         lo = parts[-1][1]
     if lo < R:
         parts.append((lo, R))
-    shape = (slices, max(hi - lo for lo, hi in parts), N)
-    partial, done = ((partial_sums(shape), completion_counters(groups)) if rt is None
-                     else rt.split_k_scratch(shape, groups))
+    most = max(hi - lo for lo, hi in parts)
+    chunks = -(-most // KERNEL_ROWS)
+    shape = (slices, most, N)
+    partial, done = ((partial_sums(shape), completion_counters(groups * chunks)) if rt is None
+                     else rt.split_k_scratch(shape, groups * chunks))
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
     gamma, eps = norm_args(norm, K)
     for lo, hi in parts:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
-        chunked = hi - lo > KERNEL_ROWS
-        launch(kernel_of(KERNEL_ROWS if chunked else hi - lo, kind, bias_kind, chunked), (groups, slices), THREADS,
-               stream, rt, a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
+        launch(kernel_of(min(hi - lo, KERNEL_ROWS), kind, bias_kind), (groups, slices, -(-(hi - lo) // KERNEL_ROWS)),
+               THREADS, stream, rt, a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
 
 
 def norm_args(norm, K: int):
