@@ -187,6 +187,13 @@ def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny):
     assert [o.token_ids for o in outs] == expected
 
 
+def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
+    from course_lib.gpu.plan import BUCKETS, bucket
+
+    assert [bucket(n) for n in (1, 2, 3, 5, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
+    assert bucket(BUCKETS[-1] + 1) == BUCKETS[-1] + 1  # past the last bucket: a plan of its own size
+
+
 def test_cuda_batch_pads_its_bucket_and_leaves_the_padding_out(tiny, monkeypatch):
     """Three sequences run in the plan of four rows (gpu.plan.BUCKETS): the padding row feeds the padding slot and
     its token is never read; each sequence gets the reference's greedy tokens."""
