@@ -175,37 +175,21 @@ def test_cli_prompts_file(tmp_path, tiny, monkeypatch, capsys):
     assert cli.main(["generate"]) == 2
 
 
-def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny):
-    """The fused step over two sequences sharing the cache's two pages: the long one needs a second page at its
-    second decode step, the short one is preempted, waits, and is recomputed. Each gets the reference's greedy
-    tokens (the batched rows have the bits they have alone: the split-K kernels sum a row the same way whatever the
-    number of rows)."""
-    prompts, kw = [list(range(1, 16)), "Hi"], dict(max_new_tokens=3, stop=False)
-    outs = generate_batch(tiny, prompts, backend="cuda", pages=2, **kw)
-    assert outs[1].preemptions == 1 and "continuous batching" in outs[0].backend
-    expected = [generate(as_computed(tiny, "bf16"), p, backend="numpy", **kw).token_ids for p in prompts]
-    assert [o.token_ids for o in outs] == expected
-
-
-def test_a_batch_runs_in_the_smallest_bucket_that_holds_it():
-    from course_lib.gpu.plan import BUCKETS, bucket
-
-    assert [bucket(n) for n in (1, 2, 3, 5, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
-    assert bucket(BUCKETS[-1] + 1) == BUCKETS[-1] + 1  # past the last bucket: a plan of its own size
-
-
-def test_cuda_batch_pads_its_bucket_and_leaves_the_padding_out(tiny, monkeypatch):
-    """Three sequences run in the plan of four rows (gpu.plan.BUCKETS): the padding row feeds the padding slot and
-    its token is never read; each sequence gets the reference's greedy tokens."""
+def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny, monkeypatch):
+    """The fused step over three sequences sharing the cache's three pages: they start in the plan of four rows
+    (gpu.plan.BUCKETS; the padding row feeds the padding slot, its token never read); at the second step the long
+    one needs a second page, the one admitted last is preempted, waits, and is recomputed, the others going on in
+    the plan of two. Each gets the reference's greedy tokens (the batched rows have the bits they have alone: the
+    split-K kernels sum a row the same way whatever the number of rows)."""
     from course_lib.batch import CudaBatch
 
-    plans = []
+    steps = []
     decode = CudaBatch.decode
     monkeypatch.setattr(CudaBatch, "decode", lambda self, seqs: (decode(self, seqs),
-                                                                 plans.append((len(seqs), sorted(self.plans))))[0])
-    prompts, kw = [[5], [6, 7], [8]], dict(max_new_tokens=3, stop=False)
-    outs = generate_batch(tiny, prompts, backend="cuda", **kw)
-    assert plans == [(3, [4]), (3, [4])]
+                                                                 steps.append((len(seqs), max(self.plans))))[0])
+    prompts, kw = [list(range(1, 16)), "Hi", [7]], dict(max_new_tokens=3, stop=False)
+    outs = generate_batch(tiny, prompts, backend="cuda", pages=3, **kw)
+    assert steps[0] == (3, 4) and outs[2].preemptions == 1 and "continuous batching" in outs[0].backend
     expected = [generate(as_computed(tiny, "bf16"), p, backend="numpy", **kw).token_ids for p in prompts]
     assert [o.token_ids for o in outs] == expected
 
