@@ -233,13 +233,11 @@ class CudaBatch(Runner):
         """One pass over the sequence's new positions (its prompt, or a token when it is recomputed): its slots
         reserved, one upload (ids, positions, slots, page table), the layers. -> the logits [1, V] of the last
         position, left on the device."""
-        b, T, start = self.backend, len(ids), seq.kv.reserved
-        seq.kv.reserve(T)
+        b, start = self.backend, seq.kv.reserved
+        seq.kv.reserve(len(ids))
         b.rt.begin_pass()
-        packed = b.rt.to_device(np.concatenate([ids, np.arange(start, start + T), seq.kv.rows[start:],
-                                                self.cache.page_table(seq.index, -(-seq.kv.reserved // PAGE_SIZE))
-                                                ]).astype(np.int32))
-        return b.run_pass(b.rt, packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[3 * T:], T, seq.kv.reserved)
+        table = self.cache.page_table(seq.index, -(-seq.kv.reserved // PAGE_SIZE))
+        return b.run_pass(b.rt, *b.upload_rows(ids, start, seq.kv.rows[start:], table), len(ids), seq.kv.reserved)
 
     def sample(self, seqs: list[Sequence], logits) -> list[int]:
         return sample_batch(logits, [seq.sampling for seq in seqs], [seq.next_position for seq in seqs],

@@ -167,12 +167,17 @@ class CudaBackend:
         """Device arrays (ids, positions, slots, page table) of this pass. Paged: one host-to-device transfer,
         shared by every layer (the slots are reserved in the cache here)."""
         T, rt = len(ids), self.rt
-        positions = np.arange(start, start + T, dtype=np.int32)
         if not self.paged:
-            return rt.to_device(ids), rt.to_device(positions), None, None
-        slots = self.cache.slots(0, T)
-        table = self.cache.page_table(0, self.cache.pages)
-        packed = rt.to_device(np.concatenate([ids, positions, slots, table]).astype(np.int32))
+            return rt.to_device(ids), rt.to_device(np.arange(start, start + T, dtype=np.int32)), None, None
+        return self.upload_rows(ids, start, self.cache.slots(0, T), self.cache.page_table(0, self.cache.pages))
+
+    def upload_rows(self, ids, start: int, slots, table):
+        """Device arrays (ids, positions, slots, page table) int32 of a paged pass over the positions start ..
+        start + T - 1 of one sequence, its T slots and its page table given: one host-to-device transfer, shared by
+        every layer."""
+        T = len(ids)
+        positions = np.arange(start, start + T, dtype=np.int32)
+        packed = self.rt.to_device(np.concatenate([ids, positions, slots, table]).astype(np.int32))
         return packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[3 * T:]
 
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
