@@ -259,8 +259,8 @@ class CudaBatch(Runner):
             settings = self._settings.get(seq.index)
             if settings is None:
                 settings = self._settings[seq.index] = device_settings(*seq.sampling)
-            inputs.append((seq.tokens[-1], position, seq.kv.rows[position],
-                           self.cache.page_table(seq.index, plan.width), settings))
+            inputs.append((seq.tokens[-1], position, seq.kv.rows[position], self.cache.pages_of(seq.index),
+                           settings))
         return plan.decode(inputs, graph=not SIMULATOR)
 
 

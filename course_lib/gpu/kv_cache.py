@@ -98,8 +98,8 @@ class PagedKVCache:
             raise CacheFullError(f"sequence {seq_id!r} needs {missing} more pages, {len(self._free)} are free")
         pages += [heapq.heappop(self._free) for _ in range(missing)]
         self._length[seq_id] = end
-        j = np.arange(start, end)
-        return (np.asarray(pages, np.int64)[j // self.page_size] * self.page_size + j % self.page_size).astype(np.int32)
+        size = self.page_size  # Python integers: a decode step reserves one position each for up to 64 sequences
+        return np.fromiter((pages[j // size] * size + j % size for j in range(start, end)), np.int32, n_new)
 
     def free(self, seq_id: Hashable) -> None:
         """Forget the sequence and give its pages back to the free list."""
@@ -116,12 +116,16 @@ class PagedKVCache:
 
     def page_table(self, seq_id: Hashable, width: int) -> np.ndarray:
         """int32 [width]: the sequence's pages in logical order, padded with -1 (raises if it holds more)."""
-        pages = self._pages_of(seq_id)
+        pages = self.pages_of(seq_id)
         if len(pages) > width:
             raise ValueError(f"sequence {seq_id!r} holds {len(pages)} pages, more than width {width}")
         table = np.full(width, -1, np.int32)
         table[:len(pages)] = pages
         return table
+
+    def pages_of(self, seq_id: Hashable) -> list[int]:
+        """The sequence's pages in logical order (the cache's own list: read it, do not change it)."""
+        return self._pages_of(seq_id)
 
     @property
     def free_pages(self) -> int:

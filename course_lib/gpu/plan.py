@@ -197,24 +197,26 @@ class BatchPlan(Recorded):
                self.temperature_top_p, self.top_k_seed, self.sample_at, self.tokens)
 
     def decode(self, rows: list[tuple], graph: bool) -> list[int]:
-        """One step of up to `self.rows` sequences, each given as (token fed, its position, its slot, its page table
-        [<= width] int32, (temperature_top_p, top_k_seed) of kernels.sampling.device_settings): their next tokens
-        (NO_TOKEN for a row whose logits held a NaN). graph: replay the step's CUDA graph (GPU only)."""
+        """One step of up to `self.rows` sequences, each given as (token fed, its position, its slot, its pages [<=
+        width], (temperature_top_p, top_k_seed) of kernels.sampling.device_settings): their next tokens (NO_TOKEN
+        for a row whose logits held a NaN). graph: replay the step's CUDA graph (GPU only)."""
         n, R = len(rows), self.rows
         if not 1 <= n <= R:
             raise ValueError(f"a plan of {R} rows decodes 1 to {R} sequences, not {n}")
         ints, floats, settings = self._host["ints"], self._host["temperature_top_p"], self._host["top_k_seed"]
         token, position, slot, sample_at = (ints[i * R:(i + 1) * R] for i in (0, 1, 2, 4))
         tables = ints[5 * R:].reshape(R, self.width)
+        tokens, positions, slots, pages, row_settings = zip(*rows, strict=True)
         self.rt.synchronize()  # the previous step has read its inputs: the pinned copies are free
-        # every row padding (greedy, token 0 at position 0 in the padding slot), then the sequences' rows
-        token[:], position[:], slot[:], sample_at[:], floats[:], settings[:] = 0, 0, self.pad_slot, 0, 0, 0
+        # the sequences' rows (a column at a time), then padding (greedy, token 0 at position 0 in the padding slot)
+        token[:n], position[:n], slot[:n] = tokens, positions, slots
+        sample_at[:n] = position[:n] + 1
+        floats[:n], settings[:n] = [f for f, _ in row_settings], [s for _, s in row_settings]
         tables[:] = -1
-        tables[:, 0] = self.pad_slot // self.backend.cache.page_size
-        for r, (tok, pos, row_slot, table, (row_floats, row_settings)) in enumerate(rows):
-            token[r], position[r], slot[r], sample_at[r] = tok, pos, row_slot, pos + 1
-            tables[r, :len(table)] = table
-            floats[r], settings[r] = row_floats, row_settings
+        for r, row_pages in enumerate(pages):
+            tables[r, :len(row_pages)] = row_pages
+        token[n:], position[n:], slot[n:], sample_at[n:], floats[n:], settings[n:] = 0, 0, self.pad_slot, 0, 0, 0
+        tables[n:, 0] = self.pad_slot // self.backend.cache.page_size
         for name in ("ints", "temperature_top_p", "top_k_seed"):
             getattr(self, name).copy_to_device(self._host[name], stream=self.rt.stream)
         self.replay(1, graph)
