@@ -131,17 +131,27 @@ def _bench(args) -> int:
     if not device.gpu_available():
         raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")
 
-    from .measure.bench import batch_peers, bench_batch, format_batch, format_bench, run_bench
+    from .measure.bench import (
+        batch_peers,
+        batch_step_profile,
+        bench_batch,
+        format_batch,
+        format_batch_profile,
+        format_bench,
+        run_bench,
+    )
 
     model = _bench_model(args.model)
     if sizes:
         rows = bench_batch(model, sizes, args.context, args.steps, args.weights)
         peers = {} if args.no_peers else batch_peers(model.config, max(sizes), args.context, args.steps)
         print(format_batch(rows, peers, max(sizes)))
+        profile = batch_step_profile(model, max(sizes), args.context, args.weights)
+        print(format_batch_profile(profile))
         if args.save:
             with open(args.save, "w") as f:
                 json.dump({"batch": rows, "context": args.context, "steps": args.steps, "peers": peers,
-                           "peer_batch": max(sizes)}, f, indent=1)
+                           "peer_batch": max(sizes), "profile": profile}, f, indent=1)
         return 0
     recipes = None if args.recipes == "all" else args.recipes.split(",")
     result = run_bench(model, recipes, args.weights, args.context, args.steps, peers=not args.no_peers,

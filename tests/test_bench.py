@@ -76,3 +76,21 @@ def test_bench_command_on_the_gpu(tmp_path, capsys):
         assert row["tokens_per_s"] > 0 and row["gpu_ms_per_token"] > 0 and row["same_text"]
         assert f"{row['tokens_per_s']:.1f}" in table
     assert 0 < result["bound_tokens_per_s"]
+
+
+def test_batch_step_profile_names_every_kernel_of_the_step(tiny):
+    """batch_step_profile runs the bucket's recorded step launch by launch (gpu.plan.Recorded.timeline): every
+    kernel of the step is counted once per launch, and the table names each with its share. In the simulator the
+    times are the host's (only the names and counts are checked)."""
+    from collections import Counter
+
+    from course_lib.batch import CudaBatch
+    from course_lib.gpu.plan import BatchPlan
+    from course_lib.measure.bench import batch_step_profile, format_batch_profile
+
+    profile = batch_step_profile(tiny, 1, context=2)
+    runner = CudaBatch(tiny, pages=1, max_len=10)  # the same model's step: the same kernels, recorded (not run)
+    names = Counter(BatchPlan(runner.backend, 1, runner.pad_slot).names)
+    assert {name: count for name, count, _ in profile["kernels"]} == names and profile["rows"] == 1
+    table = format_batch_profile(profile)
+    assert all(name in table for name in names) and "1 sequences (1 rows)" in table

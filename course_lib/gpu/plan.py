@@ -22,6 +22,8 @@ by launch.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..kernels import SIMULATOR, cuda, launch, reshaped
@@ -75,6 +77,33 @@ class Recorded:
             self.capture(steps).launch(self.rt.stream)
         else:
             self.run(steps)
+
+    def timeline(self, hold=None) -> list[tuple[str, float, float]]:
+        """[(kernel, start ms, end ms)] of one step run launch by launch, relative to the first launch's start: a
+        pair of CUDA events around each launch (GPU; hold(stream), queued first, keeps the GPU busy while the host
+        queues the step, so that each interval is the kernel's own time), or the host's time around each launch in
+        the simulator (there only the names and counts mean something)."""
+        stream, marks = self.rt.stream, []
+        if SIMULATOR:
+            t0 = time.perf_counter()
+            for name, go in zip(self.names, self._launches, strict=True):
+                start = time.perf_counter()
+                go()
+                marks.append((name, 1e3 * (start - t0), 1e3 * (time.perf_counter() - t0)))
+            return marks
+        stream.synchronize()
+        if hold is not None:
+            hold(stream)
+        for name, go in zip(self.names, self._launches, strict=True):
+            start, end = cuda.event(), cuda.event()
+            start.record(stream)
+            go()
+            end.record(stream)
+            marks.append((name, start, end))
+        stream.synchronize()
+        first = marks[0][1]
+        return [(name, cuda.event_elapsed_time(first, start), cuda.event_elapsed_time(first, end))
+                for name, start, end in marks]
 
 
 class StepPlan(Recorded):

@@ -1,6 +1,6 @@
 """Benchmarks: the copy bandwidth of this GPU, and decode speed against the bound it implies.
 
-Used by `python -m course_lib bench` and the notebooks; never by the tests (timings are not assertions).
+Used by `python -m course_lib bench` and the notebooks; the tests check what they report, never their timings.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from functools import partial
 import numpy as np
 
 from ..device import by_mode
+from ..kernels import SIMULATOR, cuda
 from ..kernels import copy as k_copy
-from ..kernels import cuda
 from . import accounting
 from .profiler import profile_decode, time_decode
 
@@ -520,6 +520,65 @@ def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str =
         rows.append({"batch": batch, "tokens_per_s": batch * steps / seconds, "ms_per_step": 1e3 * seconds / steps,
                      "same_text": first == alone})
     return rows
+
+
+def batch_step_profile(model, batch: int, context: int = 64, weights: str = "bf16", repeats: int = 7) -> dict:
+    """Where the GPU time of one decode step of `batch` sequences goes (CudaBatch: the bucket's recorded step):
+    random prompts of `context` tokens prefilled, a few steps decoded (the plan recorded, its graph captured), then
+    the step replayed as its graph behind a `hold` kernel, timed by CUDA events (median of `repeats`), and run once
+    launch by launch with events around each kernel (gpu.plan.Recorded.timeline). In the simulator the times are
+    the host's: only the kernels and their counts mean something there. -> {"batch", "rows" (the bucket's),
+    "gpu_ms" (the graph's step), "kernels": [[name, launches, ms]], most expensive first}."""
+    from ..batch import CudaBatch, PagedSequence, Sequence
+    from ..gpu.kv_cache import PAGE_SIZE
+    from ..gpu.plan import bucket
+    from .profiler import StepProfile
+
+    new = 8
+    runner = CudaBatch(model, pages=batch * -(-(context + new) // PAGE_SIZE), max_len=context + new, weights=weights)
+    rng = np.random.default_rng(2)
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(i, rng.integers(0, model.config.vocab_size, context).tolist(), new, (0.0, None, None, 0),
+                       frozenset())
+        seq.kv = PagedSequence(runner.cache, i, context + new)
+        seq.take(runner.prefill(seq), 0.0)
+        seqs.append(seq)
+    for _ in range(3):
+        for seq, token in zip(seqs, runner.decode(seqs), strict=True):
+            seq.take(token, 0.0)
+    plan = runner.plans[bucket(batch)]
+    stream = plan.rt.stream
+    hold_us = 20_000 + 50 * plan.launches  # longer than the host takes to queue the step, events and all
+
+    def hold(s):
+        k_copy.hold[1, 1, s](hold_us)
+
+    gpu = []
+    for _ in range(0 if SIMULATOR else repeats):
+        start, end = cuda.event(), cuda.event()
+        hold(stream)
+        start.record(stream)
+        plan.replay(1, graph=True)
+        end.record(stream)
+        end.synchronize()
+        gpu.append(cuda.event_elapsed_time(start, end))
+    kernels = plan.timeline(hold=hold)
+    by_kernel = StepProfile(kernels, wall_ms=0.0, launches=len(kernels), allocations=0, transfers=0).by_kernel()
+    return {"batch": batch, "rows": plan.rows, "gpu_ms": float(np.median(gpu)) if gpu else None,
+            "kernels": [[name, count, ms] for name, count, ms in by_kernel]}
+
+
+def format_batch_profile(profile: dict) -> str:
+    """The kernels of batch_step_profile's step, most expensive first, with their share of the step's kernels."""
+    total = sum(ms for _, _, ms in profile["kernels"])
+    step = f"; the step as one graph {profile['gpu_ms']:.3f} ms" if profile["gpu_ms"] is not None else ""
+    lines = [f"one decode step of {profile['batch']} sequences ({profile['rows']} rows), kernel by kernel: "
+             f"{total:.3f} ms{step}",
+             f"{'kernel':<34}{'launches':>9}{'ms':>10}{'share':>8}{'us each':>10}"]
+    for name, count, ms in profile["kernels"]:
+        lines.append(f"{name:<34}{count:>9}{ms:>10.3f}{ms / total:>8.1%}{1e3 * ms / count:>10.1f}")
+    return "\n".join(lines)
 
 
 def batch_peers(config, batch: int, context: int = 64, steps: int = 64) -> dict[str, float]:
