@@ -374,7 +374,7 @@ class _CountingRuntime:
     def __init__(self):
         self.launched, self.allocations = [], 0
 
-    def empty(self, shape, dtype=np.float32):
+    def empty(self, shape, dtype=np.float32, name=None):
         self.allocations += 1
         return cuda.device_array(shape, dtype)
 
@@ -742,6 +742,20 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     assert (rows, cols) == (max(whole, M - whole), N) and slices >= 2 and K % slices != 0  # K not a multiple
     launches = (whole > 0) + (whole < M)  # the bias inside
     assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"] * launches
+
+
+def test_a_norm_of_several_rows_is_computed_first(rng):
+    """matmul_narrow(norm=...) normalizes one row inside the split-K kernel; more rows are normalized by rms_norm
+    first (the kernel of several rows with the norm inside would spill registers: narrow.NORMED_ROWS), then the plain
+    kernel, with the same bits (test_rows_of_a_batch_have_the_bits_of_each_row_alone)."""
+    K, N = 64, 40  # 16-byte loads
+    norm = (dev(1 + randn(rng, K, scale=0.1)), np.float32(1e-5))
+    b = dev(f32_to_bf16(randn(rng, K, N, scale=0.2)))
+    for rows, launched in ((nw.NORMED_ROWS, ["matmul_split_k_norm_vec"]),
+                           (nw.NORMED_ROWS + 2, ["rms_norm_rows", "matmul_split_k_vec"])):
+        rt = _RecordingRuntime()
+        nw.matmul_narrow(dev(randn(rng, rows, K)), b, out=poisoned((rows, N)), rt=rt, norm=norm)
+        assert rt.launched == launched, rows
 
 
 def test_matmul_narrow_deterministic(rng):

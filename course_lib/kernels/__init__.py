@@ -144,9 +144,9 @@ def reshaped(arr, *shape):
     return cached_view(arr, shape, lambda a: a.reshape(*shape))
 
 
-def empty(shape, dtype=np.float32, stream=0, rt=None):
-    """A new device array (from rt.empty, which counts it, when a Runtime is given)."""
-    return cuda.device_array(shape, dtype, stream=stream) if rt is None else rt.empty(shape, dtype)
+def empty(shape, dtype=np.float32, stream=0, rt=None, name=None):
+    """A new device array (from rt.empty, which counts it, when a Runtime is given: its buffer `name`, if named)."""
+    return cuda.device_array(shape, dtype, stream=stream) if rt is None else rt.empty(shape, dtype, name=name)
 
 
 __all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "compiled_once", "completion_counters", "cuda",

@@ -2,7 +2,8 @@
 
 Every kernel here is the split-K block of `narrow` (`split_k_block_for`: RMSNorm of the rows computed by the block
 itself, a slice of K, the partial sums, the election of each column group's last block) followed by another
-epilogue in that last block, where the whole K-sum of its columns is known:
+epilogue in that last block, where the whole K-sum of its columns is known. (A launch of several rows has them
+normalized by rms_norm first, `narrow.NORMED_ROWS`: the norm inside would spill registers.)
 
 - `qkv_rope`: x [T, d] -> RMSNorm -> @ [Wq | Wk | Wv] (+ bias) -> RoPE on the q and k heads -> q to its buffer,
   k and v into their rows of the paged cache. It replaces a norm, three matmuls, two RoPE kernels and two cache
@@ -196,8 +197,8 @@ def qkv_rope(x, w_qkv, bias, norm, cos, sin, positions, slots, q, k_table, v_tab
         raise ValueError(f"qkv_rope: x {x.shape}, w_qkv {w_qkv.shape}, q {q.shape}, k_table {k_table.shape}, "
                          f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}")
     width = _width(N, w_qkv, hd)
-    nw.split_k_launches(lambda rows, kind, bias_kind: qkv_rope_kernel(
-                            rows, kind, bias_kind, norm is not None, np.dtype(k_table.dtype), hd),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed: qkv_rope_kernel(
+                            rows, kind, bias_kind, normed, np.dtype(k_table.dtype), hd),
                         x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width)
     return q
 
@@ -210,7 +211,7 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
     if w_gu.shape[0] != x.shape[1] or out.shape != (T, N // 2) or N % (2 * PAIR):
         raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
     width = _width(N, w_gu, 2 * PAIR)
-    nw.split_k_launches(lambda rows, kind, bias_kind: gate_up_kernel(rows, kind, bias_kind, norm is not None),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed: gate_up_kernel(rows, kind, bias_kind, normed),
                         x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2)
     return out
 

@@ -61,7 +61,7 @@ from course_lib.kernels import (
     sm_count,
 )
 from course_lib.kernels import matmul as mm
-from course_lib.kernels.elementwise import row_rms, segment_sum
+from course_lib.kernels.elementwise import rms_norm, row_rms, segment_sum
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
@@ -82,6 +82,9 @@ TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
 # two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
+NORMED_ROWS = 1  # the most rows a split-K block normalizes itself: with the norm inside, the kernel of 2 rows or more
+# needs more than the 128 registers a thread of 16 warps may have, and spills (ptxas, sm_90: 52 bytes a thread at 2
+# rows, over 400 at 4); a launch of more rows has rms_norm write them normalized first (the same bits)
 MAX_NORMED_K = 8192  # the longest row a transposed kernel normalizes itself (in shared memory: 32 KB a block)
 T_BLOCKS_PER_SM = 4  # the transposed kernels' grid: at most this many blocks per SM, a grid-stride loop over the
 # rows beyond (a block for every 32 rows ran as about 1.5 waves)
@@ -476,8 +479,8 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     for any R >= 1 (made for R <= MAX_ROWS: many more rows are the tiled matmul's work, see `linear`): split-K
     launches (split_k_launches) through the partial sums [S, rows, N] of `partial_sums` (see the top). accumulate:
     out += the product (out required: the residual stream), in the reduction that writes it, without an add
-    kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the norm computed by the matmul's blocks (the
-    same bits as rms_norm then the matmul)."""
+    kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the norm computed by the matmul's blocks for one
+    row, by rms_norm first for more (NORMED_ROWS; the same bits either way)."""
     (R, K), (K2, N) = a.shape, b.shape
     if R < 1:
         raise ValueError(f"matmul_narrow: a has {R} rows")
@@ -488,20 +491,22 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     if accumulate and out is None:
         raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    split_k_launches(lambda rows, kind, bias_kind: kernel_for("split_k", kind, rows, bias_kind, accumulate,
-                                                             norm is not None),
+    split_k_launches(lambda rows, kind, bias_kind, normed: kernel_for("split_k", kind, rows, bias_kind, accumulate,
+                                                                     normed),
                      a, b, bias, norm, (), (out,), stream, rt)
     return out
 
 
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
-    scratch): kernel_of(rows, weight kind, bias kind)[grid, THREADS](a[part], gamma, eps, weights, bias, partial,
-    done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else launches of up to
-    LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, with a block per chunk of KERNEL_ROWS rows (grid (groups, S,
-    chunks)), and one of the rows left. width: 1 or VEC columns per lane, or None for VEC when N % VEC == 0 and b
-    is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by default; a fused kernel
-    takes the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias and norm."""
+    scratch): kernel_of(rows, weight kind, bias kind, normed)[grid, THREADS](a[part], gamma, eps, weights, bias,
+    partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else launches of
+    up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, with a block per chunk of KERNEL_ROWS rows (grid (groups, S,
+    chunks)), and one of the rows left. A norm is computed by the kernel for at most NORMED_ROWS rows, else by
+    rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns per lane, or None for VEC
+    when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by
+    default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias
+    and norm."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
@@ -521,11 +526,16 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     partial, done = ((partial_sums(shape), completion_counters(groups * chunks)) if rt is None
                      else rt.split_k_scratch(shape, groups * chunks))
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
+    if norm is not None and R > NORMED_ROWS:  # rms_norm first: the same bits, and no spilled registers
+        a = rms_norm(a, *norm_args(norm, K), out=empty(a.shape, np.float32, stream, rt, name="normed_rows"),
+                     stream=stream, rt=rt)
+        norm = None
     gamma, eps = norm_args(norm, K)
     for lo, hi in parts:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
-        launch(kernel_of(min(hi - lo, KERNEL_ROWS), kind, bias_kind), (groups, slices, -(-(hi - lo) // KERNEL_ROWS)),
-               THREADS, stream, rt, a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
+        launch(kernel_of(min(hi - lo, KERNEL_ROWS), kind, bias_kind, norm is not None),
+               (groups, slices, -(-(hi - lo) // KERNEL_ROWS)), THREADS, stream, rt, a_rows, gamma, eps, weights, bias,
+               partial, done, *fixed, *rest)
 
 
 def norm_args(norm, K: int):
