@@ -372,21 +372,29 @@ def _plan_step_costs(plan, graph: bool, position: int, repeats: int = 5) -> tupl
     """(GPU ms, host ms) of one replayed step, medians of `repeats`. Host: the time to issue the step, the GPU idle
     before it. GPU: events around the step queued behind a `hold` kernel, so that no kernel waits for the host."""
     plan.stage(position, 2 * repeats + 1, 0.0, None, None, 0)
-    stream, host, gpu = plan.rt.stream, [], []
+    stream, host = plan.rt.stream, []
     for _ in range(repeats):
         stream.synchronize()
         t0 = time.perf_counter()
         plan.replay(1, graph)
         host.append(time.perf_counter() - t0)
+    return held_step_ms(plan, graph, int(3e6 * max(host)) + 1_000, repeats), 1e3 * float(np.median(host))
+
+
+def held_step_ms(plan, graph: bool, hold_us: int, repeats: int) -> float:
+    """GPU ms of one replayed step of a recorded plan (gpu.plan.Recorded), median of `repeats`: events around the
+    step queued behind a `hold` kernel of hold_us (longer than the host takes to queue it), so that no kernel waits
+    for the host."""
+    stream, gpu = plan.rt.stream, []
     for _ in range(repeats):
         start, end = cuda.event(), cuda.event()
-        k_copy.hold[1, 1, stream](int(3e6 * max(host)) + 1_000)
+        k_copy.hold[1, 1, stream](hold_us)
         start.record(stream)
         plan.replay(1, graph)
         end.record(stream)
         end.synchronize()
         gpu.append(cuda.event_elapsed_time(start, end))
-    return float(np.median(gpu)), 1e3 * float(np.median(host))
+    return float(np.median(gpu))
 
 
 def bench_recipe(model, name: str, bandwidth: float, context: int = 64, steps: int = 200,
@@ -532,7 +540,7 @@ def batch_step_profile(model, batch: int, context: int = 64, weights: str = "bf1
     from ..batch import CudaBatch, PagedSequence, Sequence
     from ..gpu.kv_cache import PAGE_SIZE
     from ..gpu.plan import bucket
-    from .profiler import StepProfile
+    from .profiler import by_kernel
 
     new = 8
     runner = CudaBatch(model, pages=batch * -(-(context + new) // PAGE_SIZE), max_len=context + new, weights=weights)
@@ -548,25 +556,11 @@ def batch_step_profile(model, batch: int, context: int = 64, weights: str = "bf1
         for seq, token in zip(seqs, runner.decode(seqs), strict=True):
             seq.take(token, 0.0)
     plan = runner.plans[bucket(batch)]
-    stream = plan.rt.stream
     hold_us = 20_000 + 50 * plan.launches  # longer than the host takes to queue the step, events and all
-
-    def hold(s):
-        k_copy.hold[1, 1, s](hold_us)
-
-    gpu = []
-    for _ in range(0 if SIMULATOR else repeats):
-        start, end = cuda.event(), cuda.event()
-        hold(stream)
-        start.record(stream)
-        plan.replay(1, graph=True)
-        end.record(stream)
-        end.synchronize()
-        gpu.append(cuda.event_elapsed_time(start, end))
-    kernels = plan.timeline(hold=hold)
-    by_kernel = StepProfile(kernels, wall_ms=0.0, launches=len(kernels), allocations=0, transfers=0).by_kernel()
-    return {"batch": batch, "rows": plan.rows, "gpu_ms": float(np.median(gpu)) if gpu else None,
-            "kernels": [[name, count, ms] for name, count, ms in by_kernel]}
+    kernels = plan.timeline(hold=lambda stream: k_copy.hold[1, 1, stream](hold_us))
+    return {"batch": batch, "rows": plan.rows,
+            "gpu_ms": None if SIMULATOR else held_step_ms(plan, True, hold_us, repeats),
+            "kernels": [[name, count, ms] for name, count, ms in by_kernel(kernels)]}
 
 
 def format_batch_profile(profile: dict) -> str:

@@ -38,11 +38,7 @@ class StepProfile:
 
     def by_kernel(self) -> list[tuple[str, int, float]]:
         """[(kernel name, launches, total ms)], the most expensive first."""
-        totals = defaultdict(lambda: [0, 0.0])
-        for name, s, e in self.kernels:
-            totals[name][0] += 1
-            totals[name][1] += e - s
-        return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
+        return by_kernel(self.kernels)
 
     def table(self) -> str:
         lines = [f"{'kernel':<22}{'launches':>9}{'total ms':>10}{'share':>8}"]
@@ -52,6 +48,15 @@ class StepProfile:
         lines.append(f"wall time of the step {self.wall_ms:.3f} ms; GPU busy {self.busy_fraction:.0%}; "
                      f"{self.allocations} device allocations")
         return "\n".join(lines)
+
+
+def by_kernel(kernels: list[tuple[str, float, float]]) -> list[tuple[str, int, float]]:
+    """[(kernel name, launches, total ms)] of a timeline [(name, start ms, end ms)], the most expensive first."""
+    totals = defaultdict(lambda: [0, 0.0])
+    for name, s, e in kernels:
+        totals[name][0] += 1
+        totals[name][1] += e - s
+    return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
 
 
 def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
