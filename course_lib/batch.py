@@ -211,8 +211,9 @@ class CudaBatch(Runner):
     recorded step plan (gpu.plan.BatchPlan) for the smallest bucket of rows that holds them, replayed as a CUDA graph
     on a GPU: their rows side by side in every matmul, so that each weight read serves them all (the split-K
     kernels sum a row the same way whatever the number of rows), attention in one launch, each row through its own
-    sequence's page table, and every row's next token sampled on the GPU (T ids come back, not T x V logits). Only
-    the rows' bookkeeping is on the host. One page of the cache, past the `pages` given to the sequences, holds the
+    sequence's page table, and every row's next token sampled on the GPU (T ids come back, not T x V logits), each
+    kernel launched programmatically as in the "overlap" recipe (kernels/overlap.py). Only the rows' bookkeeping is
+    on the host. One page of the cache, past the `pages` given to the sequences, holds the
     padding rows' keys and values."""
 
     PADDING = "padding rows"
@@ -251,7 +252,7 @@ class CudaBatch(Runner):
         rows = bucket(len(seqs))
         plan = self.plans.get(rows)
         if plan is None:
-            plan = self.plans[rows] = BatchPlan(self.backend, rows, self.pad_slot)
+            plan = self.plans[rows] = BatchPlan(self.backend, rows, self.pad_slot, overlap=True)
         inputs = []
         for seq in seqs:
             position = seq.kv.reserved

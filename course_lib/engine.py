@@ -84,7 +84,7 @@ class Engine:
             else:
                 self.backend = CudaBackend(model, self.capacity, weights=weights, ops=self.recipe.ops)
             if self.recipe.replay in ("plan", "graph"):
-                self.plan = StepPlan(self.backend)
+                self.plan = StepPlan(self.backend, overlap=self.recipe.overlap)
         else:
             raise ValueError(f"unknown backend {backend!r} (backends: auto, numpy, cuda, or a backend object)")
         self.name = getattr(self.backend, "name", type(self.backend).__name__) + (

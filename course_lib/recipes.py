@@ -25,12 +25,16 @@ class Recipe:
     ops: dict = field(hash=False)  # a kernel choice per stage (cuda_backend.OP_CHOICES)
     replay: str = "launches"  # "launches", "plan", "graph" or "megakernel"
     steps_per_launch: int = 1  # decode steps per graph or megakernel launch
+    overlap: bool = False  # the plan's kernels launched programmatically (kernels/overlap.py: Hopper), each starting
+    # while the one before ends
 
     def check(self, gpu: bool) -> None:
-        """Requirements, checked once when an engine is built: a graph needs a GPU."""
+        """Requirements, checked once when an engine is built: a graph needs a GPU, overlapping launches a plan."""
         if self.replay == "graph" and not gpu:
             raise ValueError(f"recipe {self.name!r} replays CUDA graphs, which need a GPU (the simulator has none): "
                              "use recipe 'plan' there")
+        if self.overlap and self.replay not in ("plan", "graph"):
+            raise ValueError(f"recipe {self.name!r}: overlapping launches are a step plan's (replay 'plan' or 'graph')")
 
 
 RECIPES = {r.name: r for r in (
@@ -46,6 +50,9 @@ RECIPES = {r.name: r for r in (
     Recipe("fused", "05, 06", "the graph replay of a step of six kernels per layer: norm + QKV + RoPE + cache "
            "write, attention (chunks, merge), O + residual, norm + gate/up + SwiGLU, down + residual; the final norm "
            "in the logits", FUSED, replay="graph"),
+    Recipe("overlap", "06", "the fused step's graph with every kernel launched programmatically (Hopper): it starts "
+           "while the kernel before it ends, asks the L2 cache for its weights, then waits for its inputs", FUSED,
+           replay="graph", overlap=True),
     Recipe("megakernel", "06", "one persistent kernel interprets the step's instruction list (fused operations on "
            "slices of work, each started when what it reads is written), 16 tokens per launch", FUSED,
            replay="megakernel", steps_per_launch=16),

@@ -618,6 +618,9 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
         if rows <= narrow.KERNEL_ROWS:  # out += a @ b: the residual added in the reduction
             jobs.append((f"split_k_add[{kind}, R={rows}]", narrow.kernel_for("split_k", kind, rows, "f32", True),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+        if rows == narrow.KERNEL_ROWS:  # a block per chunk of rows (a batch's)
+            jobs.append((f"split_k_chunked[{kind}]", narrow.kernel_for("split_k", kind, rows, chunked=True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
         if rows <= narrow.KERNEL_ROWS and kind.endswith("x8"):  # the fused projections (kernels/fused.py)
             jobs.append((f"split_k_norm[{kind}, R={rows}]", narrow.kernel_for("split_k", kind, rows, normed=True),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
@@ -625,6 +628,13 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, {F3}, {F3}, {I1}, {I1}, "
                          f"{F2})"))
             jobs.append((f"gate_up_swiglu[{kind}, R={rows}]", fused.gate_up_kernel(rows, kind, "f32", True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+        if rows == narrow.KERNEL_ROWS and kind.endswith("x8"):
+            jobs.append((f"qkv_rope_chunked[{kind}]", fused.qkv_rope_kernel(rows, kind, "f32", False, np.float32, 64,
+                                                                            True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, {F3}, {F3}, {I1}, {I1}, "
+                         f"{F2})"))
+            jobs.append((f"gate_up_swiglu_chunked[{kind}]", fused.gate_up_kernel(rows, kind, "f32", False, True),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
@@ -662,6 +672,8 @@ for name, kernel, sig in jobs:
         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
         if not name.startswith(("sample_", "megakernel")):  # the sampler's draw and thresholds: float64 on purpose
             assert ".f64" not in ptx, "float64 arithmetic (a float literal without float32(...)?)"
+        if getattr(kernel, "waits_for_inputs", False):  # may be launched programmatically (kernels/overlap.py)
+            assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, "no griddepcontrol"
         if ptxas:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
                 f.write(ptx)

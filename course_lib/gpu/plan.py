@@ -114,12 +114,12 @@ class StepPlan(Recorded):
     `history` [capacity + 1] int32 in mapped host memory (history[p]: the id chosen for position p), the sampler's
     `weights` uint64 [V], and the step's activations and scratch (`rt`'s named pool)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, overlap: bool = False):
         if not backend.paged:
             raise ValueError("a step plan needs the paged cache (recipe 'paged' or later): the baseline's cache grows")
         self.backend, c = backend, backend.config
         self.capacity = backend.capacity
-        self.rt = rt = Runtime(fast=backend.rt.fast, reuse=True)
+        self.rt = rt = Runtime(fast=backend.rt.fast, reuse=True, overlap=overlap)
         rt.stream = backend.rt.stream  # one stream: the prefill, the steps and the sampler run in order
         self.inputs = rt.empty(3, np.int32, name="inputs")
         self.token, self.position, self.slot = (self.inputs[i:i + 1] for i in range(3))
@@ -199,11 +199,11 @@ class BatchPlan(Recorded):
     A batch of fewer sequences pads its rows: a padding row feeds token 0 at position 0 into `pad_slot`, a cache row
     no sequence owns, and its token is never read. Rows never mix: a row gets the bits it gets alone."""
 
-    def __init__(self, backend, rows: int, pad_slot: int):
+    def __init__(self, backend, rows: int, pad_slot: int, overlap: bool = False):
         self.backend, self.rows, self.pad_slot = backend, rows, pad_slot
         c = backend.config
         self.width = -(-backend.capacity // backend.cache.page_size)
-        self.rt = rt = Runtime(fast=backend.rt.fast, reuse=True)
+        self.rt = rt = Runtime(fast=backend.rt.fast, reuse=True, overlap=overlap)
         rt.stream = backend.rt.stream  # one stream: the prefills and the steps run in order
         self.ints = rt.empty(5 * rows + rows * self.width, np.int32, name="inputs")
         self.token, self.position, self.slot, self.seq_of_row, self.sample_at = (

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kernels import SIMULATOR, compiled_once, cuda
+from ..kernels.overlap import supported as overlap_supported
 
 
 class FastKernel:
@@ -39,12 +40,20 @@ class FastKernel:
             f(a, flat)
         return flat
 
-    def config(self, grid, block):
+    def config(self, grid, block, overlap: bool = False):
+        """The launch configuration of (grid, block); overlap: a programmatic launch (kernels/overlap.py), which may
+        start before the previous kernel on the stream has finished."""
         from cuda.core import LaunchConfig
 
-        cfg = self.configs.get((grid, block))
+        cfg = self.configs.get((grid, block, overlap))
         if cfg is None:
-            cfg = self.configs[grid, block] = LaunchConfig(grid=grid, block=block, is_cooperative=self.cooperative)
+            options = {"programmatic_stream_serialization": True} if overlap else {}
+            try:
+                cfg = LaunchConfig(grid=grid, block=block, is_cooperative=self.cooperative, **options)
+            except TypeError as e:
+                raise RuntimeError("overlapping launches need cuda-core >= 1.2 (LaunchConfig's "
+                                   "programmatic_stream_serialization)") from e
+            self.configs[grid, block, overlap] = cfg
         return cfg
 
 
@@ -89,6 +98,10 @@ class Profile:
 class Runtime:
     """Allocations and launches of one backend, counted; fast launches on a GPU unless fast=False.
 
+    With overlap=True (fast launches only), a kernel marked by `kernels.overlap.waits_for_inputs` is launched
+    programmatically: it may start while the kernel before it ends (see kernels/overlap.py); other kernels are
+    launched as usual.
+
     With reuse=True, device arrays are recycled from one pass to the next, as PyTorch's caching allocator does:
     the i-th `empty` (or `to_device`) of a pass gets the array the i-th call of the previous pass got, when shape
     and dtype match; otherwise a new array replaces it. A decode step then allocates nothing once the first step
@@ -96,9 +109,10 @@ class Runtime:
     length) replace arrays rather than pile them up. Call `begin_pass` at the start of every pass; arrays from a
     pass are valid until the next pass."""
 
-    def __init__(self, fast: bool = True, reuse: bool = False):
+    def __init__(self, fast: bool = True, reuse: bool = False, overlap: bool = False):
         self.fast = fast and not SIMULATOR
         self.reuse = reuse
+        self.overlap = overlap and self.fast and overlap_supported()
         self.stream = cuda.stream()  # a stream of our own: the default stream cannot be captured into a graph
         self._core_stream = None
         self._fast_kernels = {}
@@ -251,7 +265,8 @@ class Runtime:
         from cuda.core import launch
 
         fk = self._fast(kernel, args)
-        stream, cfg, cufunc, flat = self._stream_core(), fk.config(_dim3(grid), _dim3(block)), fk.kernel, \
+        overlap = self.overlap and getattr(kernel, "waits_for_inputs", False)
+        stream, cfg, cufunc, flat = self._stream_core(), fk.config(_dim3(grid), _dim3(block), overlap), fk.kernel, \
             fk.flatten(args)
         return lambda: launch(stream, cfg, cufunc, *flat)
 

@@ -10,6 +10,7 @@ import numpy as np
 from numba import float32
 
 from course_lib.kernels import cuda, empty, for_weight_dtypes, launch, pick, reshaped, sized
+from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 
 THREADS = sized(256, 64)  # threads per block of the flat (one thread per element) kernels
 NORM_THREADS = sized(256, 32)  # threads per block of rms_norm (one block per row); a multiple of 32
@@ -78,9 +79,11 @@ def row_rms(x, r, eps, scratch):
 # ---- kernels ----
 
 def _make_embedding(to_f32):
+    @waits_for_inputs
     @cuda.jit
     def embedding_rows(table, ids, out):
         """out[t, j] = table[ids[t], j]: one thread per output element."""
+        inputs_ready()
         i = cuda.grid(1)
         d = out.shape[1]
         if i < out.shape[0] * d:
@@ -91,9 +94,11 @@ def _make_embedding(to_f32):
 
 
 def _make_rms_norm(to_f32):
+    @waits_for_inputs
     @cuda.jit
     def rms_norm_rows(x, w, eps, out):
         """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w: one block per row r."""
+        inputs_ready()
         scratch = cuda.shared.array(32, dtype=float32)
         r = cuda.blockIdx.x
         rms = row_rms(x, r, eps, scratch)

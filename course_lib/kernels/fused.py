@@ -34,6 +34,7 @@ from course_lib.kernels import cuda, empty, f32_weight, for_weight_dtypes, launc
 from course_lib.kernels import matmul as mm
 from course_lib.kernels import narrow as nw
 from course_lib.kernels.elementwise import rotated_first, rotated_second, silu, silu_times
+from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 from course_lib.kernels.paged_attention import f32_to_bf16_bits
 
 PAIR = nw.VEC  # gate and up alternate in runs of PAIR columns in W_gu (one 16-byte load of a lane)
@@ -134,42 +135,52 @@ def _swiglu_store_for(group, bias_f32):
 # ---- kernels: split_k_block then an epilogue, one kernel per (rows, weight kind, ...) ----
 
 @functools.cache
-def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim):
-    width, load = nw.SPLIT_K_LOADS[kind]
+def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False):
+    width, load, prefetch = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
     store_kv = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}[np.dtype(kv_dtype)]
     epilogue = _rope_store_for(32 * width, head_dim, nw.BIAS_READERS[bias], store_kv)
 
     def qkv_rope_split_k(a, gamma, eps, b, bias, partial, done, cos, sin, k_table, v_table, positions, slots, q):
         """[q | k | v] = RMSNorm(a) @ b (+ bias), RoPE, q stored, k and v written to the cache (rope_store).
-        Grid (ceil(N / group), S, chunks of rows: narrow.rows_of_block), THREADS."""
-        g = cuda.blockIdx.x
-        lo, hi, counters = nw.rows_of_block(a.shape[0], done)
-        if block(g, cuda.blockIdx.y, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
-            epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi],
-                     q[lo:hi])
+        Grid (ceil(N / group), S, chunks of rows when chunked: narrow.rows_of_block), THREADS."""
+        g, s = cuda.blockIdx.x, cuda.blockIdx.y
+        prefetch(g, s, a, b, partial)
+        inputs_ready()
+        if chunked:
+            lo, hi, counters = nw.rows_of_block(a.shape[0], done)
+            if block(g, s, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
+                epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi],
+                         q[lo:hi])
+        elif block(g, s, a, gamma, eps, b, partial, done):
+            epilogue(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q)
 
     qkv_rope_split_k.__name__ = qkv_rope_split_k.__qualname__ = "qkv_rope_split_k" + ("_vec" if width > 1 else "")
-    return cuda.jit(**nw.SPLIT_K_BOUNDS)(qkv_rope_split_k)
+    return waits_for_inputs(cuda.jit(**nw.SPLIT_K_BOUNDS)(qkv_rope_split_k))
 
 
 @functools.cache
-def gate_up_kernel(rows, kind, bias, normed):
-    width, load = nw.SPLIT_K_LOADS[kind]
+def gate_up_kernel(rows, kind, bias, normed, chunked=False):
+    width, load, prefetch = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
     epilogue = _swiglu_store_for(32 * width, nw.BIAS_READERS[bias])
 
     def gate_up_swiglu_split_k(a, gamma, eps, b, bias, partial, done, out):
         """out = silu(gate) * up of RMSNorm(a) @ W_gu (+ bias) (swiglu_store). Grid (ceil(2F / group), S, chunks
-        of rows: narrow.rows_of_block), THREADS."""
-        g = cuda.blockIdx.x
-        lo, hi, counters = nw.rows_of_block(a.shape[0], done)
-        if block(g, cuda.blockIdx.y, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
-            epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
+        of rows when chunked: narrow.rows_of_block), THREADS."""
+        g, s = cuda.blockIdx.x, cuda.blockIdx.y
+        prefetch(g, s, a, b, partial)
+        inputs_ready()
+        if chunked:
+            lo, hi, counters = nw.rows_of_block(a.shape[0], done)
+            if block(g, s, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
+                epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
+        elif block(g, s, a, gamma, eps, b, partial, done):
+            epilogue(g, partial, bias, out)
 
     gate_up_swiglu_split_k.__name__ = gate_up_swiglu_split_k.__qualname__ = (
         "gate_up_swiglu_split_k" + ("_vec" if width > 1 else ""))
-    return cuda.jit(**nw.SPLIT_K_BOUNDS)(gate_up_swiglu_split_k)
+    return waits_for_inputs(cuda.jit(**nw.SPLIT_K_BOUNDS)(gate_up_swiglu_split_k))
 
 
 # ---- host wrappers (stream: a CUDA stream; rt: a course_lib.gpu.runtime.Runtime, used instead when given) ----
@@ -197,8 +208,8 @@ def qkv_rope(x, w_qkv, bias, norm, cos, sin, positions, slots, q, k_table, v_tab
         raise ValueError(f"qkv_rope: x {x.shape}, w_qkv {w_qkv.shape}, q {q.shape}, k_table {k_table.shape}, "
                          f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}")
     width = _width(N, w_qkv, hd)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed: qkv_rope_kernel(
-                            rows, kind, bias_kind, normed, np.dtype(k_table.dtype), hd),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked: qkv_rope_kernel(
+                            rows, kind, bias_kind, normed, np.dtype(k_table.dtype), hd, chunked),
                         x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width)
     return q
 
@@ -211,7 +222,8 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
     if w_gu.shape[0] != x.shape[1] or out.shape != (T, N // 2) or N % (2 * PAIR):
         raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
     width = _width(N, w_gu, 2 * PAIR)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed: gate_up_kernel(rows, kind, bias_kind, normed),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked: gate_up_kernel(rows, kind, bias_kind, normed,
+                                                                                       chunked),
                         x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2)
     return out
 

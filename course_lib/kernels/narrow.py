@@ -62,6 +62,7 @@ from course_lib.kernels import (
 )
 from course_lib.kernels import matmul as mm
 from course_lib.kernels.elementwise import rms_norm, row_rms, segment_sum
+from course_lib.kernels.overlap import inputs_ready, prefetch_l2, waits_for_inputs
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
@@ -219,11 +220,38 @@ def split_k_block_for(rows, width, load, normed):
 
 @cuda.jit(device=True)
 def rows_of_block(R, done):
-    """(lo, hi, counters): the rows lo .. hi - 1 of a launch's R rows that this block sums, chunk blockIdx.z of
-    KERNEL_ROWS rows (grid z: R / KERNEL_ROWS for a launch of many rows, 1 for at most KERNEL_ROWS), and the
-    chunk's own completion counters, one per column group, in `done` [groups x chunks]."""
+    """(lo, hi, counters) in a launch with a block per chunk of rows: the rows lo .. hi - 1 of the launch's R rows
+    that this block sums, chunk blockIdx.z of KERNEL_ROWS rows (grid z: R / KERNEL_ROWS), and the chunk's own
+    completion counters, one per column group, in `done` [groups x chunks]. A kernel of one chunk (a decode step's
+    row) takes its arrays whole instead: a view of some rows of partial is strided, and costs every index of it more
+    arithmetic and the kernel more registers."""
     lo = cuda.blockIdx.z * KERNEL_ROWS
     return lo, min(R, lo + KERNEL_ROWS), done[cuda.blockIdx.z * cuda.gridDim.x:]
+
+
+@cuda.jit(device=True)
+def no_prefetch(g, s, a, b, partial):
+    """The weights read one element per lane (kinds "f32", "bf16"): not prefetched."""
+
+
+@functools.cache
+def prefetch_slice_for(units):
+    """The device function prefetch_slice(g, s, a, b, partial) for weights seen as uint32 words (16-byte loads),
+    `units` 16-byte units per lane and row (1 for bf16x8, 2 for f32x8): asks the L2 cache for this thread's rows of
+    slice s of K, the columns of group g, the weights split_k_sums will read, without waiting for them. A kernel
+    launched programmatically calls it before wait_for_inputs (kernels/overlap.py): the weights travel while the
+    previous kernel ends."""
+
+    @cuda.jit(device=True)
+    def prefetch_slice(g, s, a, b, partial):
+        K, S = a.shape[1], partial.shape[0]
+        per_row = partial.shape[2] // VEC
+        v = g * 32 + cuda.threadIdx.x % 32
+        if v < per_row:
+            for k in range(s * K // S + cuda.threadIdx.x // 32, (s + 1) * K // S, WARPS):
+                prefetch_l2(b, units * (k * per_row + v))
+
+    return prefetch_slice
 
 
 @functools.cache
@@ -266,8 +294,10 @@ def store_group_for(group, bias_f32, accumulate):
 
 # ---- kernel factories: one kernel per (rows, weight kind) ----
 
-def _make_split_k(rows, width, load, bias_f32, accumulate, normed):
-    """The split-K kernel: split_k_block then, in each group's last block, store_group (see the top)."""
+def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chunked):
+    """The split-K kernel: its weights asked of the L2 cache (prefetch), its inputs waited for (kernels/overlap.py),
+    split_k_block then, in each group's last block, store_group (see the top); chunked: a block per chunk of rows
+    (rows_of_block)."""
     block = split_k_block_for(rows, width, load, normed)
     store = store_group_for(32 * width, bias_f32, accumulate)
 
@@ -275,15 +305,20 @@ def _make_split_k(rows, width, load, bias_f32, accumulate, normed):
         """out = h [R, K] @ b [K, N] + bias [N] (no bias: bias has length 0), or out += that when the kernel
         accumulates; h = a, or RMSNorm(a) * gamma [K] (eps) when normed; through partial [S, R, N] and done
         (split_k_block), done [groups x chunks]. Grid (ceil(N / group), S, chunks of rows_of_block), THREADS."""
-        g = cuda.blockIdx.x
-        lo, hi, counters = rows_of_block(a.shape[0], done)
-        if block(g, cuda.blockIdx.y, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
-            store(g, partial[:, lo:hi], bias, out[lo:hi])
+        g, s = cuda.blockIdx.x, cuda.blockIdx.y
+        prefetch(g, s, a, b, partial)
+        inputs_ready()
+        if chunked:
+            lo, hi, counters = rows_of_block(a.shape[0], done)
+            if block(g, s, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
+                store(g, partial[:, lo:hi], bias, out[lo:hi])
+        elif block(g, s, a, gamma, eps, b, partial, done):
+            store(g, partial, bias, out)
 
     name = ("matmul_split_k" + ("_norm" if normed else "") + ("_vec" if width == VEC else "")
             + ("_add" if accumulate else ""))
     matmul_split_k.__name__ = matmul_split_k.__qualname__ = name  # the name profiles and tests see
-    return cuda.jit(**SPLIT_K_BOUNDS)(matmul_split_k)
+    return waits_for_inputs(cuda.jit(**SPLIT_K_BOUNDS)(matmul_split_k))
 
 
 @cuda.jit(device=True)
@@ -299,6 +334,7 @@ def normed_row(a, gamma, eps, h, scratch):
 
 
 def _make_transposed(rows, to_f32, normed):
+    @waits_for_inputs
     @cuda.jit
     def matmul_transposed_warps(a, gamma, eps, b, out):
         """out[r, n] = h[r, :] . b[n, :] (b [N, K]), h = a, or (one row, K <= MAX_NORMED_K) RMSNorm(a) * gamma (eps)
@@ -308,6 +344,7 @@ def _make_transposed(rows, to_f32, normed):
         h = cuda.shared.array(MAX_NORMED_K if normed else 1, dtype=float32)
         N, K = b.shape[0], b.shape[1]
         lane = cuda.threadIdx.x % 32
+        inputs_ready()
         if normed:
             normed_row(a, gamma, eps, h, cuda.shared.array(32, dtype=float32))
         for n in range(cuda.grid(1) // 32, N, cuda.gridsize(1) // 32):  # the same n for the whole warp
@@ -343,6 +380,7 @@ def _make_transposed_vec(rows, load8, normed):
                     h[VEC * j + 6], h[VEC * j + 7])
         return f32x8(a_words, r * per_row + j)
 
+    @waits_for_inputs
     @cuda.jit
     def matmul_transposed_vec(a, gamma, eps, a_words, words, out):
         """out[r, n] = h[r, :] . b[n, :] for a [R, K] float32 and b [N, K] (K % 8 == 0), h = a, or (one row, K <=
@@ -355,6 +393,7 @@ def _make_transposed_vec(rows, load8, normed):
         N, per_row = out.shape[1], a_words.shape[0] // (rows * VEC)  # per_row = K / 8 groups of a row
         lane, teams = cuda.threadIdx.x % 32, 32 // TEAM
         j0, warp, warps = lane % TEAM, cuda.grid(1) // 32, cuda.gridsize(1) // 32
+        inputs_ready()
         if normed:
             normed_row(a, gamma, eps, h, cuda.shared.array(32, dtype=float32))
         for n0 in range(warp * teams, N, warps * teams):  # rows n0 .. n0 + 3 for this warp
@@ -414,25 +453,28 @@ def bf16x8_at(words, k, v, per_row):
 
 
 BIAS_READERS = {"f32": f32_weight, "bf16": bf16_weight}  # bias kind -> its reader (shared with kernels/fused)
-SPLIT_K_LOADS = {"f32": (1, f32_at), "bf16": (1, bf16_at), "f32x8": (VEC, f32x8_at), "bf16x8": (VEC, bf16x8_at)}
+SPLIT_K_LOADS = {  # weight kind -> (columns per lane, the loader of a lane's weights of a row, their prefetch)
+    "f32": (1, f32_at, no_prefetch), "bf16": (1, bf16_at, no_prefetch),
+    "f32x8": (VEC, f32x8_at, prefetch_slice_for(2)), "bf16x8": (VEC, bf16x8_at, prefetch_slice_for(1))}
 _TRANSPOSED = {
     "f32": lambda rows, normed: _make_transposed(rows, f32_weight, normed),
     "bf16": lambda rows, normed: _make_transposed(rows, bf16_weight, normed),
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed) -> kernel, built on first use
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked) -> kernel, built on first use
 
 
-def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False):
+def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,
+               chunked: bool = False):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
-    normalizing its rows of a when `normed`; built and cached on first use."""
-    key = (family, kind, rows, bias, accumulate, normed)
+    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`; built and cached on first
+    use."""
+    key = (family, kind, rows, bias, accumulate, normed, chunked)
     if key not in _KERNELS:
         if family == "split_k":
-            width, load = SPLIT_K_LOADS[kind]
-            _KERNELS[key] = _make_split_k(rows, width, load, BIAS_READERS[bias], accumulate, normed)
+            _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows, normed)
     return _KERNELS[key]
@@ -491,22 +533,22 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     if accumulate and out is None:
         raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    split_k_launches(lambda rows, kind, bias_kind, normed: kernel_for("split_k", kind, rows, bias_kind, accumulate,
-                                                                     normed),
+    split_k_launches(lambda rows, kind, bias_kind, normed, chunked: kernel_for("split_k", kind, rows, bias_kind,
+                                                                              accumulate, normed, chunked),
                      a, b, bias, norm, (), (out,), stream, rt)
     return out
 
 
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
-    scratch): kernel_of(rows, weight kind, bias kind, normed)[grid, THREADS](a[part], gamma, eps, weights, bias,
-    partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else launches of
-    up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, with a block per chunk of KERNEL_ROWS rows (grid (groups, S,
-    chunks)), and one of the rows left. A norm is computed by the kernel for at most NORMED_ROWS rows, else by
-    rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns per lane, or None for VEC
-    when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by
-    default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias
-    and norm."""
+    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked)[grid, THREADS](a[part], gamma, eps, weights,
+    bias, partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else
+    launches of up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, with a block per chunk of KERNEL_ROWS rows (grid
+    (groups, S, chunks), chunked), and one of the rows left. A norm is computed by the kernel for at most
+    NORMED_ROWS rows, else by rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns
+    per lane, or None for VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k
+    sets the slices (N by default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See
+    matmul_narrow for bias and norm."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
@@ -533,7 +575,7 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     gamma, eps = norm_args(norm, K)
     for lo, hi in parts:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
-        launch(kernel_of(min(hi - lo, KERNEL_ROWS), kind, bias_kind, norm is not None),
+        launch(kernel_of(min(hi - lo, KERNEL_ROWS), kind, bias_kind, norm is not None, hi - lo > KERNEL_ROWS),
                (groups, slices, -(-(hi - lo) // KERNEL_ROWS)), THREADS, stream, rt, a_rows, gamma, eps, weights, bias,
                partial, done, *fixed, *rest)
 

@@ -57,6 +57,7 @@ from course_lib.kernels import (
     sm_count,
 )
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
+from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_HEAD_DIM = 256
@@ -327,11 +328,13 @@ def _make_chunks(load8, group, head_dim, page_size):
                     l_part[t, h0 + g, c] = l_all
         return count
 
+    @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
                             l_part):
         """chunk_block (c, kvh, t) = blockIdx (x, y, z); merge_chunks merges the queries with several chunks.
         Grid (C, Hkv, T), block THREADS."""
+        inputs_ready()
         chunk_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions,
                     target, unit, scale, out, o_part, m_part, l_part)
 
@@ -346,19 +349,23 @@ def _make_chunks(load8, group, head_dim, page_size):
             for g in range(group):
                 merge_head(o_part, m_part, l_part, t, kvh * group + g, count, out)
 
+    @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part,
                      counters):
         """Attention in one launch: chunk_then_merge for (c, kvh, t) = blockIdx. Grid (C, Hkv, T), block THREADS
         (= MERGE_THREADS)."""
+        inputs_ready()
         chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table,
                          positions, target, unit, scale, out, o_part, m_part, l_part, counters)
 
+    @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_rows(q, k_words, v_words, page_tables, seq_of_row, positions, target, unit, scale, out, o_part,
                           m_part, l_part, counters):
         """flash_decode for rows of several sequences (a batched decode step): row t reads its keys through the
         page table of its sequence, page_tables[seq_of_row[t]] ([S, P] int32). Grid (C, Hkv, T), block THREADS."""
+        inputs_ready()
         t = cuda.blockIdx.z
         chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, t, q, k_words, v_words, page_tables[seq_of_row[t]],
                          positions, target, unit, scale, out, o_part, m_part, l_part, counters)
@@ -426,11 +433,13 @@ def merge_head(o_part, m_part, l_part, t, h, n_chunks, out):
         cuda.syncthreads()
 
 
+@waits_for_inputs
 @cuda.jit
 def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
     """merge_head for head h = blockIdx.x of query t = blockIdx.y, over the query's own chunks c < ceil(n /
     chunk_len(n)), n = positions[t] + 1 (a query with one chunk is left alone: flash_decode_chunks wrote it).
     Grid (H, T), block MERGE_THREADS."""
+    inputs_ready()
     t = cuda.blockIdx.y
     n = positions[t] + 1
     length = _chunk_len(n, target, unit)

@@ -26,6 +26,7 @@ from numba import float32, float64, int32, int64, uint32, uint64
 
 from course_lib.kernels import SIMULATOR, cuda, empty, launch, sized
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
+from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 
 THREADS = sized(512, 32)  # one block; a multiple of 32 (1024 threads: too few registers each for the radix select)
 UNROLL = 4  # loads in flight per thread in the pass that finds the largest logit
@@ -295,6 +296,7 @@ def choose(logits, weights, temperature, top_p, top_k, seed, position):
     return choice[0]
 
 
+@waits_for_inputs
 @cuda.jit
 def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
                 history):
@@ -303,6 +305,7 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
 
     weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
     <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]. One block of THREADS."""
+    inputs_ready()
     p = position[0]
     tok = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1)
     if cuda.threadIdx.x == 0:
@@ -314,11 +317,13 @@ def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position,
             else -1
 
 
+@waits_for_inputs
 @cuda.jit
 def sample_rows(logits, weights, temperature_top_p, top_k_seed, positions, tokens):
     """tokens[t] = the token at positions[t] drawn from logits[t] (`choose`) with row t's own settings: a batch of
     sequences sampled at once, one block per row. logits [T, V] float32; weights: scratch uint64 [T, V];
     temperature_top_p float64 [T, 2]; top_k_seed int64 [T, 2]; positions, tokens [T] int32. Grid T, THREADS."""
+    inputs_ready()
     t = cuda.blockIdx.x
     tok = choose(logits[t], weights[t], temperature_top_p[t, 0], temperature_top_p[t, 1], top_k_seed[t, 0],
                  top_k_seed[t, 1], positions[t])
