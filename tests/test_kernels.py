@@ -955,3 +955,19 @@ def test_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, how, K, N, dtype):
     for r in (0, nw.KERNEL_ROWS + 1, R - 2, R - 1):  # rows of the first and second chunks, the last two
         np.testing.assert_array_equal(product(np.array([r])).view(np.uint32), together[r:r + 1].view(np.uint32),
                                       err_msg=f"row {r}")
+
+
+# ---- overlap.py: a chain of kernels launched programmatically ----
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_chain_of_dependent_kernels_computes_its_length(overlap):
+    """Each link of the chain adds one to what the previous link wrote (bench.overlap_chain): launched
+    programmatically on a GPU (each link waiting for its inputs), the chain still sums to its length; a link that
+    ran ahead of its input would leave less."""
+    from course_lib.measure.bench import overlap_chain
+
+    links = 6 if SIMULATOR else 200
+    plan, check = overlap_chain(links, 64 if SIMULATOR else 32 * 1024, overlap)
+    assert plan.launches == links
+    for _ in range(2):  # a second run starts again from zeros
+        np.testing.assert_array_equal(check(), np.full(64 if SIMULATOR else 32 * 1024, links, np.float32))

@@ -81,3 +81,15 @@ def test_megakernel_prose_quotes_its_run():
     for figure in (f"{mk['gpu_ms_per_token']:.2f} ms per step against {fused['gpu_ms_per_token']:.2f}",
                    f"{mk['tokens_per_s']:.0f} against {fused['tokens_per_s']:.0f} tokens/s"):
         assert figure in text, f"notebook 06 does not quote {figure!r} (data/bench_h200.json)"
+
+
+def test_overlap_prose_quotes_its_run():
+    """Notebook 06, overlapping launches: the saving and tokens/s quoted are those of data/bench_overlap_h200.json."""
+    r = bench_rows("bench_overlap_h200.json")
+    fused, overlap = r["fused"], r["overlap"]
+    saved_us = 1e3 * (fused["gpu_ms_per_token"] - overlap["gpu_ms_per_token"])
+    text = markdown_cell("06", "In the recorded run, overlapping the launches")
+    for figure in (f"saved {saved_us:.0f} µs of the step's {fused['gpu_ms_per_token']:.2f} ms",
+                   f"about {saved_us / fused['kernels_per_token']:.1f} µs per\nkernel boundary",
+                   f"decoded {overlap['tokens_per_s']:.0f} tokens/s against {fused['tokens_per_s']:.0f}"):
+        assert figure in text, f"notebook 06 does not quote {figure!r} (data/bench_overlap_h200.json)"

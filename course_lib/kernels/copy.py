@@ -4,6 +4,7 @@ import numpy as np
 from numba import float32
 
 from course_lib.kernels import cuda, empty, launch, sm_count
+from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 from course_lib.kernels.vector import aligned16, f32x8, words
 
 THREADS = 256  # threads per block
@@ -80,3 +81,14 @@ def hold(microseconds):
     rather than the host's launches."""
     for _ in range(microseconds // 100):
         cuda.nanosleep(100_000)
+
+
+@waits_for_inputs
+@cuda.jit
+def plus_one(x, y):
+    """y = x + 1 (float32, flat): one link of a chain of kernels, each reading what the one before wrote, that may be
+    launched programmatically (kernels/overlap.py). One thread per element."""
+    inputs_ready()
+    i = cuda.grid(1)
+    if i < y.size:
+        y[i] = x[i] + float32(1)

@@ -355,6 +355,47 @@ def kernel_gaps(n: int = 500) -> dict[str, float]:
     return out
 
 
+def overlap_chain(links: int, n: int, overlap: bool):
+    """(plan, check): a step plan of `links` kernels (copy.plus_one over n floats, blocks of copy.THREADS), each
+    reading what the one before wrote, two buffers in turn, recorded with overlapping launches or not; check()
+    resets the first buffer to zeros, runs the plan once (its CUDA graph on a GPU) and returns the result, which
+    must be `links` everywhere (a link that read its input before the previous one had written it would leave less).
+    """
+    from ..gpu.plan import Recorded
+    from ..gpu.runtime import Runtime
+
+    rt = Runtime(reuse=True, overlap=overlap)
+    buffers = cuda.to_device(np.zeros(n, np.float32)), cuda.device_array(n, np.float32)
+
+    def body():
+        for i in range(links):
+            rt.launch("plus_one", k_copy.plus_one, -(-n // k_copy.THREADS), k_copy.THREADS, buffers[i % 2],
+                      buffers[1 - i % 2])
+
+    plan = Recorded(rt, body)
+
+    def check():
+        buffers[0].copy_to_device(np.zeros(n, np.float32), stream=rt.stream)
+        plan.replay(1, graph=not SIMULATOR)
+        return buffers[links % 2].copy_to_host(stream=rt.stream)
+
+    return plan, check
+
+
+def overlap_gaps(links: int = 200, n: int = 32 * 1024, repeats: int = 20) -> dict[str, float]:
+    """GPU microseconds per kernel of a chain of `links` dependent kernels (overlap_chain) replayed as a CUDA graph,
+    launched one after the other's end and launched programmatically; raises if a chain's result is wrong."""
+    out = {}
+    for label, overlap in (("after the previous ends", False), ("programmatic", True)):
+        plan, check = overlap_chain(links, n, overlap)
+        if not np.all(check() == links):
+            raise RuntimeError(f"a chain of {links} kernels ({label}) computed a wrong result")
+        replay = partial(plan.replay, 1, True)
+        out[label] = 1e6 * _elapsed(lambda r=replay: [r() for _ in range(repeats)], plan.rt.stream) / (
+            repeats * links)
+    return out
+
+
 def bound_bandwidth(n_bytes: int = 1 << 30, repeats: int = 10) -> float:
     """Bytes/s of one streaming read of n_bytes of random data (copy.read, 16-byte loads, the median of `repeats`,
     timed with CUDA events). `run_bench` takes the higher of this and the copy bandwidth as the bound of every
