@@ -1,6 +1,6 @@
 """Every recipe gives the reference's tokens: greedy, and seeded (the same (seed, position) draws the same token on
 the host and on the GPU). In the simulator on the tiny Qwen2 flavour, a few tokens (~6 s per token); on a GPU with
-the real SmolLM2 weights, where the graph recipe (the default) is checked too.
+the real SmolLM2 weights, where the graph recipes (the default, overlap, among them) are checked too.
 """
 
 import pytest
