@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .gpu.backend import BASELINE, FUSED, NARROW, PAGED
+from .gpu.backend import BASELINE, FUSED, NARROW, PAGED, ROW_DOT
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ RECIPES = {r.name: r for r in (
     Recipe("overlap", "06", "the fused step's graph with every kernel launched programmatically (Hopper): it starts "
            "while the kernel before it ends, asks the L2 cache for its weights, then waits for its inputs", FUSED,
            replay="graph", overlap=True),
+    Recipe("row_dot", "05, 06", "the overlapped graph of the fused step with its projections in one pass: a warp per "
+           "pair of outputs over weights stored a row per output, the first weights loaded before waiting for the "
+           "inputs, no partial sums", ROW_DOT, replay="graph", overlap=True),
     Recipe("megakernel", "06", "one persistent kernel interprets the step's instruction list (fused operations on "
            "slices of work, each started when what it reads is written), 16 tokens per launch", FUSED,
            replay="megakernel", steps_per_launch=16),

@@ -10,14 +10,17 @@ import pytest
 from checks import as_computed, logit_tolerance
 
 from course_lib import reference
-from course_lib.gpu.backend import FUSED, NARROW, PAGED, CudaBackend
+from course_lib.gpu.backend import FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.paged_attention import chunk_unit, chunks_for
 
 
-@pytest.mark.parametrize("ops", [None, NARROW, PAGED, FUSED], ids=["baseline", "narrow", "paged", "fused"])
+@pytest.mark.parametrize("ops", [None, NARROW, PAGED, FUSED, ROW_DOT], ids=["baseline", "narrow", "paged", "fused",
+                                                                          "row_dot"])
 @pytest.mark.parametrize("weights", ["f32", "bf16"])
 def test_logits_match_reference(request, model, weights, ops):
+    if SIMULATOR and ops is ROW_DOT and weights == "f32":
+        pytest.skip("simulator time: the row_dot kernels' float32 weights are checked in test_row_dot")
     if SIMULATOR and ops is FUSED and weights == "f32":
         pytest.skip("simulator time: the fused step is the paged step bit for bit (test_fused_step_gives_the_paged_"
                     "steps_bits), once is enough")
@@ -37,7 +40,7 @@ def test_logits_match_reference(request, model, weights, ops):
         assert np.abs(ours - ref).max() <= logit_tolerance(c, np.abs(ref).max())
 
 
-@pytest.mark.parametrize("ops", [PAGED, FUSED], ids=["paged", "fused"])
+@pytest.mark.parametrize("ops", [PAGED, FUSED, ROW_DOT], ids=["paged", "fused", "row_dot"])
 def test_decode_over_several_chunks_matches_reference(request, model, ops):
     """A decode step whose keys span several flash-decoding chunks, so the backend merges them (the merge kernel, or
     each head's last block): the logits of the reference, to the derived tolerance. The cache's first n positions
@@ -110,6 +113,23 @@ def test_fused_step_kernels_per_layer(tiny, attention, kernels):
     layer = ["qkv_rope_split_k_vec", *kernels, "matmul_split_k_vec_add", "gate_up_swiglu_split_k_vec",
              "matmul_split_k_vec_add"]
     assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
+
+
+def test_row_dot_step_kernels_per_layer(tiny):
+    """The row_dot step (recorded, not run): the fused step's five kinds of kernels per layer, each projection one
+    pass over weight rows."""
+    n = 2 * chunk_unit(tiny.config.head_dim) + 1
+    backend = CudaBackend(tiny, n + 1, weights="bf16", ops=ROW_DOT)
+    backend.rt.record(lambda: backend.prefill(list(range(n))))
+    names = [launch[0] for launch in backend.rt.record(lambda: backend.decode(5))]
+    layer = ["qkv_rope_rows", "flash_decode_chunks", "merge_chunks", "project_rows_add", "gate_up_swiglu_rows",
+             "project_rows_add"]
+    assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
+
+
+def test_row_dot_needs_the_fused_epilogues(tiny):
+    with pytest.raises(ValueError, match="epilogues"):
+        CudaBackend(tiny, 4, ops=FUSED | {"projection": "row_dot", "swiglu": "separate"})
 
 
 @pytest.mark.parametrize("flavour", ["tiny", "tiny_qwen"])

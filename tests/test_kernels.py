@@ -587,7 +587,7 @@ try:
 except Exception as e:
     print(f"SKIP: no NVVM/libdevice to compile with ({type(e).__name__})")
     sys.exit(0)
-from course_lib.kernels import attention, copy, elementwise, fused, matmul, narrow, paged_attention, sampling
+from course_lib.kernels import attention, copy, elementwise, fused, matmul, narrow, paged_attention, row_dot, sampling
 F1, F2, F3, I1 = "float32[::1]", "float32[:, ::1]", "float32[:, :, ::1]", "int32[::1]"
 jobs = [
     ("rope_pairs", elementwise.rope_pairs, f"void({F3}, {F2}, {F2}, {I1})"),
@@ -644,6 +644,21 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
             jobs.append((f"transposed_norm[{kind}]", narrow.kernel_for("transposed", kind, rows, normed=True),
                          f"void({F2}, {F1}, float32, {a2}, {w2}, {F2})"))
 F4, U1 = "float32[:, :, :, ::1]", "uint32[::1]"
+ROW_ARGS = f"int32, int32, {U1}, int32, {U1}, float32, {U1}"  # pairs, per_row, a, T, gamma, eps, weight rows
+for rows in (1, row_dot.ROWS):  # the one-pass projections: one chunk of loads, and several (K > 2048)
+    for steps in (3, 32):
+        for wide in (False, True):
+            what = f"R={rows}, steps={steps}, {'f32' if wide else 'bf16'}"
+            jobs.append((f"project_rows_add[{what}]", row_dot.project_kernel(rows, steps, wide, False, True),
+                         f"void({ROW_ARGS}, {F2})"))
+            if steps == 3:  # the normed inputs: rows of d_model
+                jobs.append((f"project_rows_norm[{what}]", row_dot.project_kernel(rows, steps, wide, True, False),
+                             f"void({ROW_ARGS}, {F2})"))
+                jobs.append((f"qkv_rope_rows[{what}]", row_dot.qkv_rope_kernel(rows, steps, wide, True, not wide),
+                             f"void({ROW_ARGS}, {F1}, {F2}, {F2}, {F3 if wide else 'uint16[:, :, ::1]'}, "
+                             f"{F3 if wide else 'uint16[:, :, ::1]'}, {I1}, {I1}, {F2})"))
+                jobs.append((f"gate_up_swiglu_rows[{what}]", row_dot.gate_up_kernel(rows, steps, wide, True),
+                             f"void({ROW_ARGS}, {F2})"))
 for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-decoding for a few (group, head_dim)
     dt = np.dtype(dtype)
     jobs.append((f"write_rows_flat[{dt}]", paged_attention._WRITE_ROWS[dt], f"void({F3}, {dt.name}[:, :, ::1], {I1})"))

@@ -37,7 +37,7 @@ def test_seeded_sampling_matches_reference(model, recipe):
 
 
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("recipe", ["graph", "fused", "overlap"])
+@pytest.mark.parametrize("recipe", ["graph", "fused", "overlap", "row_dot"])
 def test_graph_recipes_give_the_reference_tokens_on_several_prompts(smollm, recipe):
     """The step plan replayed as a CUDA graph, the tokens chosen on the GPU, with and without the fused residual,
     with and without overlapping launches."""
@@ -54,20 +54,21 @@ def test_graph_recipe_seeded_sampling_is_reproducible(smollm):
     kw = dict(max_new_tokens=48, stop=False, temperature=1.0, top_k=40, top_p=0.9, seed=5)
     first = engine.generate("Once upon a time", **kw).token_ids
     assert engine.generate("Once upon a time", **kw).token_ids == first
-    for other in ("graph8", "fused", "overlap"):  # eight steps per replay, the fused step, overlapped: the same draws
+    for other in ("graph8", "fused", "overlap", "row_dot"):  # eight steps per replay, the fused step, overlapped: the same draws
         assert cuda_engine(smollm, "bf16", other).generate("Once upon a time", **kw).token_ids == first, other
     assert engine.generate("Once upon a time", **(kw | {"seed": 6})).token_ids != first
 
 
-@pytest.mark.parametrize("rows", [None, 4], ids=["step", "batch of 4"])
-def test_every_kernel_of_the_fused_step_waits_for_its_inputs(tiny, rows):
+@pytest.mark.parametrize("rows,ops", [(None, "FUSED"), (None, "ROW_DOT"), (4, "FUSED")],
+                         ids=["step", "row_dot step", "batch of 4"])
+def test_every_kernel_of_the_fused_step_waits_for_its_inputs(tiny, rows, ops):
     """The overlap recipe launches every kernel of the fused step programmatically: each may start before the kernel
     before it has finished, so each must be one that waits for its inputs first (kernels/overlap.py; the sm_90
     compile test checks that a marked kernel's PTX has the wait). The same for the batched step."""
-    from course_lib.gpu.backend import FUSED, CudaBackend
+    from course_lib.gpu import backend as cuda_backend
     from course_lib.gpu.plan import BatchPlan, StepPlan
 
-    backend = CudaBackend(tiny, 32, ops=FUSED, pages=4)
+    backend = cuda_backend.CudaBackend(tiny, 32, ops=getattr(cuda_backend, ops), pages=4)
     plan = StepPlan(backend, overlap=True) if rows is None else BatchPlan(backend, rows, pad_slot=48, overlap=True)
     recorded = plan.rt.record(plan._step, scratch_per_site=True)
     assert len(recorded) == plan.launches

@@ -22,6 +22,7 @@ from ..kernels import matmul as k_matmul
 from ..kernels import narrow as k_narrow
 from ..kernels import paged_attention as k_paged
 from ..kernels import reshaped
+from ..kernels import row_dot as k_row
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
 from .kv_cache import PAGE_SIZE, PagedKVCache
@@ -52,6 +53,10 @@ OP_CHOICES = {
     # flash-decoding: the chunks, then a merge kernel | one kernel, the last chunk of each head to finish merges
     # (notebook 05)
     "attention": ("two_kernels", "one_kernel"),
+    # the decode step's projections: split-K over [K, N] weights (partial sums, then each column group's last block
+    # adds them) | a warp per pair of outputs over [N, K] weight rows, one pass, the first weights loaded before
+    # waiting for the inputs (kernels/row_dot; notebook 05)
+    "projection": ("split_k", "row_dot"),
 }
 BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
 NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
@@ -59,6 +64,7 @@ PAGED = NARROW | {"kv_cache": "paged"}
 # the fastest measured step: attention stays two kernels (on the H200, a separate merge kernel beat the merge by each
 # head's last block from two chunks of keys up, 1.30 against 1.40 ms per step at 200 keys; data/h200_kernel_notes.md)
 FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused"}
+ROW_DOT = FUSED | {"projection": "row_dot"}
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -82,13 +88,19 @@ def resolve_ops(ops: dict | None) -> dict:
         if chosen[op] == "fused" and chosen["kv_cache"] != "paged":
             raise ValueError(f"a fused {op} is done by the split-K matmul, which only the paged cache's step uses "
                              "for every row count: use kv_cache='paged' with it")
+    if chosen["projection"] == "row_dot" and any(chosen[op] != "fused" for op in ("residual", "norm", "qkv",
+                                                                                 "swiglu")):
+        raise ValueError("the row_dot projections have their norm, RoPE, SwiGLU and residual in their epilogues: "
+                         "use residual, norm, qkv and swiglu 'fused' with it")
     return chosen
 
 
 def upload_weights(model: Model, rt: Runtime, dtype: str, ops: dict = BASELINE) -> dict:
     """{name: device array}: matrices and the embedding table in `dtype` ('f32' or 'bf16'), norms in float32.
     The layout follows the ops: with a fused qkv, a layer has w_qkv = [wq | wk | wv] (and b_qkv) instead; with a
-    fused swiglu, w_gu = interleave_gate_up(w_gate, w_up) instead of the two."""
+    fused swiglu, w_gu = interleave_gate_up(w_gate, w_up) instead of the two. With the row_dot projections every
+    matrix is stored as rows of outputs [N, K] instead, named with "_rows" (kernels/row_dot: w_qkv_rows and
+    b_qkv_rows in RoPE-pair order, w_gu_rows with gate and up rows alternating, wo_rows, w_down_rows)."""
     if dtype not in ("f32", "bf16"):
         raise ValueError(f"weight dtype must be 'f32' or 'bf16', got {dtype!r}")
 
@@ -101,11 +113,20 @@ def upload_weights(model: Model, rt: Runtime, dtype: str, ops: dict = BASELINE) 
            "lm_head": None if w.lm_head is None else put(w.lm_head), "layers": []}
     for lw in w.layers:
         host = dict(vars(lw))
-        if ops["qkv"] == "fused":
+        if ops["projection"] == "row_dot":  # rows of outputs, in the order their epilogues take them
+            hd = model.config.head_dim
+            host["w_qkv_rows"] = k_row.paired_qkv(np.concatenate([host.pop(m) for m in ("wq", "wk", "wv")], axis=1),
+                                                  hd)
+            biases = [host.pop(b) for b in ("bq", "bk", "bv")]
+            host["b_qkv_rows"] = None if biases[0] is None else k_row.paired_qkv(np.concatenate(biases), hd)
+            host["w_gu_rows"] = k_row.paired_gate_up(host.pop("w_gate"), host.pop("w_up"))
+            for m in ("wo", "w_down"):
+                host[m + "_rows"] = k_row.output_rows(host.pop(m))
+        if ops["qkv"] == "fused" and ops["projection"] == "split_k":
             host["w_qkv"] = np.concatenate([host.pop(m) for m in ("wq", "wk", "wv")], axis=1)
             biases = [host.pop(b) for b in ("bq", "bk", "bv")]
             host["b_qkv"] = None if biases[0] is None else np.concatenate(biases)
-        if ops["swiglu"] == "fused":
+        if ops["swiglu"] == "fused" and ops["projection"] == "split_k":
             host["w_gu"] = k_fused.interleave_gate_up(host.pop("w_gate"), host.pop("w_up"))
         out["layers"].append({
             name: (None if value is None else put(value, keep_f32=value.ndim == 1)) for name, value in host.items()
@@ -214,8 +235,8 @@ class CudaBackend:
             else:
                 a = k_attention.attention(q, self.k_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim),
                                           self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
-            x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw["wo"], name="o")
-            x = self._add_linear(rt, x, self._mlp_inputs(rt, x, lw, T), lw["w_down"], name="down")
+            x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw, "wo")
+            x = self._add_linear(rt, x, self._mlp_inputs(rt, x, lw, T), lw, "w_down")
         rows = x if all_logits else x[T - 1:]  # the transposed kernel normalizes one row (a decode step's) itself
         fits = w["lm_head"] is not None or (rows.shape[0] == 1 and c.d_model <= k_narrow.MAX_NORMED_K)
         h, norm = self._normed(rt, rows, w["final_norm"], name="h_final", fuse=fits)
@@ -241,6 +262,10 @@ class CudaBackend:
         projections and RoPE, in one kernel with the fused qkv, else a kernel for each."""
         c = self.config
         h, norm = self._normed(rt, x, lw["attn_norm"])
+        if self.ops["projection"] == "row_dot":
+            q = k_row.qkv_rope(h, lw["w_qkv_rows"], lw["b_qkv_rows"], norm, self.cos, self.sin, pos_d, slots_d,
+                               rt.empty((T, c.d_model), name="q"), self.cache.k[i], self.cache.v[i], rt=rt)
+            return reshaped(q, T, c.n_heads, c.head_dim)
         if self.ops["qkv"] == "fused":
             q = k_fused.qkv_rope(h, lw["w_qkv"], lw["b_qkv"], norm, self.cos, self.sin, pos_d, slots_d,
                                  rt.empty((T, c.d_model), name="q"), self.cache.k[i], self.cache.v[i], rt=rt)
@@ -262,6 +287,8 @@ class CudaBackend:
         """silu(gate) * up [T, d_ff] of RMSNorm(x): one kernel with the fused swiglu, else two matmuls and the
         product's kernel (and the norm's, unless fused)."""
         h, norm = self._normed(rt, x, lw["mlp_norm"])
+        if self.ops["projection"] == "row_dot":
+            return k_row.gate_up_swiglu(h, lw["w_gu_rows"], norm, rt.empty((T, self.config.d_ff), name="act"), rt=rt)
         if self.ops["swiglu"] == "fused":
             return k_fused.gate_up_swiglu(h, lw["w_gu"], norm, rt.empty((T, self.config.d_ff), name="act"), rt=rt)
         gate = self._linear(rt, h, lw["w_gate"], name="gate", norm=norm)
@@ -290,12 +317,16 @@ class CudaBackend:
             f(x[r:r + step], y[r:r + step])
         return y
 
-    def _add_linear(self, rt, x, a, weight, name):
-        """x + a @ weight, the residual stream [T, d_model] updated in place: by the narrow matmul's reduction when
-        the residual is fused (one kernel), else a matmul into the buffer `name` then an add kernel."""
+    def _add_linear(self, rt, x, a, lw, matrix):
+        """x + a @ lw[matrix] ("wo" or "w_down"), the residual stream [T, d_model] updated in place: by the
+        projection itself when the residual is fused (one kernel: the row_dot epilogue, or the narrow matmul's
+        reduction), else a matmul into a buffer then an add kernel."""
+        if self.ops["projection"] == "row_dot":
+            return k_row.project(a, lw[matrix + "_rows"], x, accumulate=True, rt=rt)
         if self.ops["residual"] == "fused":
-            return k_narrow.matmul_narrow(a, weight, out=x, rt=rt, accumulate=True)
-        return k_elt.add(x, self._linear(rt, a, weight, name=name), out=rt.empty(x.shape, name="x"), rt=rt)
+            return k_narrow.matmul_narrow(a, lw[matrix], out=x, rt=rt, accumulate=True)
+        return k_elt.add(x, self._linear(rt, a, lw[matrix], name={"wo": "o", "w_down": "down"}[matrix]),
+                         out=rt.empty(x.shape, name="x"), rt=rt)
 
     def _linear(self, rt, x, weight, bias=None, name=None, norm=None):
         """x [T, K] @ weight + bias into the buffer `name`, with the chosen matmul; the bias in its own kernel
