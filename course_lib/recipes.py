@@ -63,11 +63,11 @@ RECIPES = {r.name: r for r in (
 
 
 def default_recipe(gpu: bool) -> str:
-    """The fastest recipe verified on this kind of machine: on a GPU the graph replay of the fused step with
-    overlapping launches (on GPUs before Hopper, which cannot overlap them, the same as "fused"); in the simulator
-    (no graphs), the step plan launched kernel by kernel. One step per replay, not eight: both decode at the same
-    speed within about 1% on the H200 (notebook 06), and one step per replay sees an end token sooner."""
-    return "overlap" if gpu else "plan"
+    """The fastest recipe verified on this kind of machine: on a GPU the graph replay of the fused step with its
+    projections in one pass and overlapping launches (on GPUs before Hopper the launches simply do not overlap); in
+    the simulator (no graphs), the step plan launched kernel by kernel. One step per replay, not eight: both decode
+    at the same speed within about 1% on the H200 (notebook 06), and one step per replay sees an end token sooner."""
+    return "row_dot" if gpu else "plan"
 
 
 def get_recipe(name: str) -> Recipe:

@@ -12,7 +12,8 @@ from course_lib.measure.bench import format_bench
 from course_lib.recipes import RECIPES
 
 RECORDED = records.path("06_launches_h200.json")
-LATER = {"overlap": "bench_default_h200.json"}  # recipes added after that run -> the recorded run that has them
+# recipes added after that run -> the recorded run that has them
+LATER = {"overlap": "bench_default_h200.json", "row_dot": "bench_row_dot_h200.json"}
 
 
 def test_recorded_results_format_as_a_table():

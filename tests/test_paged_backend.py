@@ -5,7 +5,7 @@ cache changes the work, not the result (bit for bit against recomputation); the 
 import numpy as np
 import pytest
 
-from course_lib.gpu.backend import FUSED, PAGED, CudaBackend
+from course_lib.gpu.backend import PAGED, ROW_DOT, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.sampling import sample
 from course_lib.measure.profiler import _without_holds, profile_decode
@@ -54,7 +54,7 @@ def test_cache_equals_no_cache(request, temperature):
     model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_NO_CACHE
-    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=FUSED) for _ in range(2))  # the default's
+    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))  # the default's
     ids = list(prompt)
     logits = cached.prefill(ids)
     for _ in range(N_NO_CACHE):
@@ -84,7 +84,7 @@ def test_cache_equals_one_full_prefill(request, temperature):
     model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_FULL_PREFILL
-    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=FUSED) for _ in range(2))  # the default's
+    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))  # the default's
     ids, steps = list(prompt), [cached.prefill(prompt)]
     while len(ids) < capacity:
         ids.append(sample(steps[-1], temperature, None, 0.95 if temperature else None, seed=11, position=len(ids)))
