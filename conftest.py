@@ -10,7 +10,7 @@ import pytest
 
 GPU_SUITE = {"test_kernels.py", "test_paged.py", "test_cuda_backend.py", "test_paged_backend.py", "test_recipes.py",
              "test_tolerances.py", "test_generate.py", "test_kernel_cache.py",
-             "test_batch.py", "test_fused.py", "test_megakernel_kernel.py"}
+             "test_batch.py", "test_fused.py", "test_row_dot.py", "test_megakernel_kernel.py"}
 LONGEST_FIRST = ["06_launches.ipynb", "05_fused_operations.ipynb", "07_many_sequences.ipynb",
                  "test_megakernel_kernel.py",
                  "03_a_cache_that_no_longer_grows.ipynb",

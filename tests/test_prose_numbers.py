@@ -97,3 +97,27 @@ def test_overlap_prose_quotes_its_run():
                    f"decoded {overlap['tokens_per_s']:.0f} tokens/s against {fused['tokens_per_s']:.0f}",
                    f"({run['peers']['compile+graph']:.0f} tokens/s)", f"{chain[0] - chain[1]:.2f} µs less"):
         assert figure in text.replace("\n", " "), f"notebook 06 does not quote {figure!r}"
+
+
+def test_one_pass_prose_quotes_its_runs():
+    """Notebook 05, section 8 (the one-pass projections): the figures quoted are those of data/bench_row_dot_h200.json
+    (the real SmolLM2) and data/bench_row_dot_llama1b_h200.json (Llama-3.2-1B's shapes)."""
+    run, llama = recorded("bench_row_dot_h200.json"), recorded("bench_row_dot_llama1b_h200.json")
+    r, big = ({row["recipe"]: row for row in x["rows"]} for x in (run, llama))
+    each = {k: {name: 1000 * ms / n for name, n, ms in v} for k, v in run["profiles"].items()}
+    text = markdown_cell("05", "In the recorded run (code of commit fefcd5f)").replace("\n", " ")
+    figures = [f"from {r['overlap']['gpu_ms_per_token']:.3f} ms of GPU time",
+               f"to {r['row_dot']['gpu_ms_per_token']:.3f} ms",
+               f"{r['row_dot']['tokens_per_s']:,.0f} tokens/s against {r['overlap']['tokens_per_s']:.0f}",
+               f"and {run['peers']['compile+graph']:.0f} for `torch.compile`",
+               f"from {each['fused']['matmul_split_k_vec_add']:.1f} to {each['row_dot']['project_rows_add']:.1f} µs",
+               f"QKV from {each['fused']['qkv_rope_split_k_vec']:.1f} to {each['row_dot']['qkv_rope_rows']:.1f}",
+               f"gate/up from {each['fused']['gate_up_swiglu_split_k_vec']:.1f} to "
+               f"{each['row_dot']['gate_up_swiglu_rows']:.1f}", f"({each['row_dot']['flash_decode_chunks']:.1f} µs)",
+               f"decodes {big['row_dot']['tokens_per_s']:.0f} tokens/s, {big['row_dot']['percent_of_bound']:.0f}% of",
+               f"against {big['overlap']['tokens_per_s']:.0f} for `overlap` and "
+               f"{llama['peers']['compile+graph']:.0f} for `torch.compile`",
+               f"({r['row_dot+1k']['gpu_ms_per_token']:.3f} ms with attention in one launch",
+               f"over 200 tokens, {r['row_dot+1k']['tokens_per_s']:,.0f}"]
+    for figure in figures:
+        assert figure in text, f"notebook 05 does not quote {figure!r}"
