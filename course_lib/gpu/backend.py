@@ -113,20 +113,18 @@ def upload_weights(model: Model, rt: Runtime, dtype: str, ops: dict = BASELINE) 
            "lm_head": None if w.lm_head is None else put(w.lm_head), "layers": []}
     for lw in w.layers:
         host = dict(vars(lw))
-        if ops["projection"] == "row_dot":  # rows of outputs, in the order their epilogues take them
-            hd = model.config.head_dim
-            host["w_qkv_rows"] = k_row.paired_qkv(np.concatenate([host.pop(m) for m in ("wq", "wk", "wv")], axis=1),
-                                                  hd)
-            biases = [host.pop(b) for b in ("bq", "bk", "bv")]
-            host["b_qkv_rows"] = None if biases[0] is None else k_row.paired_qkv(np.concatenate(biases), hd)
-            host["w_gu_rows"] = k_row.paired_gate_up(host.pop("w_gate"), host.pop("w_up"))
-            for m in ("wo", "w_down"):
-                host[m + "_rows"] = k_row.output_rows(host.pop(m))
-        if ops["qkv"] == "fused" and ops["projection"] == "split_k":
+        if ops["qkv"] == "fused":
             host["w_qkv"] = np.concatenate([host.pop(m) for m in ("wq", "wk", "wv")], axis=1)
             biases = [host.pop(b) for b in ("bq", "bk", "bv")]
             host["b_qkv"] = None if biases[0] is None else np.concatenate(biases)
-        if ops["swiglu"] == "fused" and ops["projection"] == "split_k":
+        if ops["projection"] == "row_dot":  # rows of outputs, in the order their epilogues take them
+            hd, bias = model.config.head_dim, host.pop("b_qkv")
+            host["w_qkv_rows"] = k_row.paired_qkv(host.pop("w_qkv"), hd)
+            host["b_qkv_rows"] = None if bias is None else k_row.paired_qkv(bias, hd)
+            host["w_gu_rows"] = k_row.paired_gate_up(host.pop("w_gate"), host.pop("w_up"))
+            for m in ("wo", "w_down"):
+                host[m + "_rows"] = k_row.output_rows(host.pop(m))
+        elif ops["swiglu"] == "fused":
             host["w_gu"] = k_fused.interleave_gate_up(host.pop("w_gate"), host.pop("w_up"))
         out["layers"].append({
             name: (None if value is None else put(value, keep_f32=value.ndim == 1)) for name, value in host.items()
