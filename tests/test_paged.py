@@ -237,10 +237,9 @@ def run_flash(q, k, v, page_table, positions, page_size, max_len=None, one_launc
 def rescales(n, Hkv, hd):
     """How many factors exp(m_old - m_new) can multiply a weight p: one per later step of its team in the chunk,
     one per shuffle round merging the teams of a warp (at most 5), one for the warps, then in merge_chunks one per
-    later round of a thread (MERGE_UNROLL chunks each) and one for the threads' groups."""
+    later round of its component's thread (MERGE_UNROLL chunks each)."""
     length, chunks = pa.chunks_for(n, Hkv, hd)
-    groups = pa.MERGE_THREADS // min(hd, pa.MERGE_THREADS)
-    return -(-length // pa.tile_keys(hd)) + 5 + 1 + -(-chunks // (groups * pa.MERGE_UNROLL)) + 1
+    return -(-length // pa.tile_keys(hd)) + 5 + 1 + -(-chunks // pa.MERGE_UNROLL)
 
 
 def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4):
@@ -293,8 +292,7 @@ def test_merge_many_chunks(rng, hd):
     """merge_chunks alone, on more chunks than its threads take at once (several loads of MERGE_UNROLL per
     thread): against the float64 merge. Each weighted term carries a few roundings (exp, the product) and each
     sum at most C additions: |error| <= (C + 8) U32 (sum |w o| / sum w l + |out|)."""
-    groups = pa.MERGE_THREADS // min(hd, pa.MERGE_THREADS)  # threads per output component
-    T, H, C = 2, 3, 2 * pa.MERGE_UNROLL * groups + 5  # each thread loads MERGE_UNROLL chunks three times
+    T, H, C = 2, 3, 2 * pa.MERGE_UNROLL + 5  # each component's thread loads MERGE_UNROLL chunks three times
     o, m = randn(rng, T, H, C, hd), randn(rng, T, H, C, scale=4.0)
     l = rng.uniform(0.5, 2.0, (T, H, C)).astype(np.float32)  # noqa: E741
     positions = np.array([C - 1, C // 2], np.int32)  # target C, unit 1: chunks of one key, C and C // 2 + 1 of them

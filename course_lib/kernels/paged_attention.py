@@ -18,16 +18,19 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    components of acc = sum p v) in registers. No barrier in the loop over keys. At the end the teams of a warp
    merge by shuffles and the warps through shared memory (m = max, l and acc rescaled by exp(m_part - m), in a
    fixed order). A query with a single chunk is normalized and written to out; otherwise the block writes its
-   o [hd], m and l per head to scratch [T, H, chunks, hd] and [T, H, chunks].
+   o [hd], m and l per head to scratch [T, H, chunks, hd] and [T, H, chunks]. Launched programmatically, a block
+   loads its first step of keys before waiting for the kernel before it (only the pass's own keys are that
+   kernel's), so the page-table lookups and the first loads of the cache overlap the QKV projection's end.
 2. `merge_chunks`, grid (H, T): out[t, h] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c, in a
-   fixed order (no atomics: the same bits from run to run). A thread loads o, m and l of MERGE_UNROLL chunks at
-   once and merges them online (one memory latency per round, not one per quantity). Skipped (not launched) when
-   no query has two chunks.
+   fixed order (no atomics: the same bits from run to run). A thread per component (h, d) loads o, m and l of
+   MERGE_UNROLL chunks at once and merges them online (one memory latency per round, not one per quantity).
+   Skipped (not launched) when no query has two chunks.
 Or `flash_decode`, one launch (notebook 05): the chunk blocks of 1., then the last of a query's blocks for a KV head
-to finish (a completion counter, kernels.last_to_arrive) merges the group's heads with merge_chunks' own device
-function, `merge_head`. `flash_decode_rows` does the same for the rows of several sequences (a batched decode step),
-each row reading its keys through its own sequence's page table. The kernels are thin wrappers around the device
-functions `chunk_block` and `merge_head` of (virtual block index, buffers).
+to finish (a completion counter, kernels.last_to_arrive) merges the group's G heads at once with merge_chunks' own
+device function, `merge_heads` (a thread per component: the same bits as the merge kernel). `flash_decode_rows` does
+the same for the rows of several sequences (a batched decode step), each row reading its keys through its own
+sequence's page table. The kernels are thin wrappers around the device functions `chunk_block` and `merge_heads` of
+(virtual block index, buffers).
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
 (`chunk_unit`), so that the chunks of the longest queries times Hkv give about BLOCKS_PER_SM blocks per SM. The
@@ -71,9 +74,8 @@ BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastes
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
 MAX_CHUNKS = 1024  # chunks per query at most
-MERGE_THREADS = sized(256, 32)
-MERGE_UNROLL = 8  # chunks each merge thread loads at once (their o, m and l)
-assert MERGE_THREADS == THREADS, "flash_decode's blocks merge with merge_head, written for MERGE_THREADS threads"
+MERGE_THREADS = sized(256, 32)  # threads of a merge_chunks block at most (a thread per component of a head)
+MERGE_UNROLL = 16  # chunks each merge thread loads at once (their o, m and l)
 WRITE_THREADS = sized(256, 64)
 
 
@@ -187,18 +189,22 @@ def _make_chunks(load8, group, head_dim, page_size):
             rows[u] = page_table[j // page_size] * page_size + j % page_size
 
     @cuda.jit(device=True)
+    def load_key(k_words, v_words, n_kv, kvh, row, k_r, v_r, u):
+        """k_r[u], v_r[u] = this lane's E elements of the key and value at table row `row`: loads issued, none
+        waited for."""
+        base = (row * n_kv + kvh) * (head_dim // 8) + cuda.threadIdx.x % team
+        for i in range(per_lane):
+            kw = load8(k_words, base + team * i)
+            vw = load8(v_words, base + team * i)
+            for e in range(8):
+                k_r[u, 8 * i + e] = kw[e]
+                v_r[u, 8 * i + e] = vw[e]
+
+    @cuda.jit(device=True)
     def load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r):
-        """k_r[u], v_r[u] = this lane's E elements of the key and value at table row rows[u], for u < UNROLL:
-        all the loads issued, none waited for."""
-        member = cuda.threadIdx.x % team
+        """load_key for the rows[u], u < UNROLL: all the loads issued, none waited for."""
         for u in range(UNROLL):
-            base = (rows[u] * n_kv + kvh) * (head_dim // 8) + member
-            for i in range(per_lane):
-                kw = load8(k_words, base + team * i)
-                vw = load8(v_words, base + team * i)
-                for e in range(8):
-                    k_r[u, 8 * i + e] = kw[e]
-                    v_r[u, 8 * i + e] = vw[e]
+            load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
 
     @cuda.jit(device=True)
     def attend(q_s, first, hi, scale, k_r, v_r, s, m, l, acc):  # noqa: E741 (the l of the online softmax)
@@ -236,9 +242,14 @@ def _make_chunks(load8, group, head_dim, page_size):
                 m[g] = m_new
 
     @cuda.jit(device=True)
-    def chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
-                    l_part):
+    def chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out, o_part,
+                    m_part, l_part):
         """Chunk c of the keys 0..positions[t] of query t, KV head kvh, for its G query heads h0 .. h0 + G - 1.
+
+        Launched programmatically (kernels/overlap.py), the block reads the first step of its keys *before* waiting
+        for its inputs: the keys before `new_from` were written by earlier passes (only the pass's own keys, from
+        new_from on, come from the kernel before), and so were the positions and the page table. After the wait it
+        loads those of the step's keys that are new, and the queries.
 
         q [T, H, hd] float32; k_words, v_words: the tables [rows, Hkv, hd] seen as flat uint32 words; page_table
         [P] int32; positions [T] int32. A query with one chunk is normalized and written to out [T, H, hd]
@@ -269,7 +280,12 @@ def _make_chunks(load8, group, head_dim, page_size):
         member = lane % team  # this lane reads the 8-element groups member, member + team, ... of a row
         me = warp * (32 // team) + lane // team  # this lane's team in the block
         h0 = kvh * group
-        find_rows(page_table, lo + me, hi, rows)  # the first step's rows, while the queries are staged
+        find_rows(page_table, lo + me, hi, rows)  # the first step's keys, in flight during the kernel before
+        load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
+        inputs_ready()
+        for u in range(UNROLL):  # those written by this pass, again (the keys the team reads, as find_rows clamps)
+            if min(lo + me + u * teams, hi - 1) >= new_from:
+                load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
         for x in range(tid, group * head_dim, THREADS):
             q_s[x // head_dim, x % head_dim] = q[t, h0 + x // head_dim, x % head_dim]
         for g in range(group):
@@ -280,7 +296,8 @@ def _make_chunks(load8, group, head_dim, page_size):
         cuda.syncthreads()
 
         for k0 in range(lo, hi, step):  # the same steps for every lane (the shuffles need the whole warp)
-            load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
+            if k0 > lo:
+                load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
             find_rows(page_table, k0 + step + me, hi, rows)  # the next step's rows arrive while this one computes
             attend(q_s, k0 + me, hi, scale, k_r, v_r, s, m, l, acc)
 
@@ -332,120 +349,96 @@ def _make_chunks(load8, group, head_dim, page_size):
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
                             l_part):
-        """chunk_block (c, kvh, t) = blockIdx (x, y, z); merge_chunks merges the queries with several chunks.
-        Grid (C, Hkv, T), block THREADS."""
-        inputs_ready()
+        """chunk_block (c, kvh, t) = blockIdx (x, y, z), the keys from positions[0] on new (the rows of one
+        sequence); merge_chunks merges the queries with several chunks. Grid (C, Hkv, T), block THREADS."""
         chunk_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions,
-                    target, unit, scale, out, o_part, m_part, l_part)
+                    positions[0], target, unit, scale, out, o_part, m_part, l_part)
 
     @cuda.jit(device=True)
-    def chunk_then_merge(c, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part,
-                         m_part, l_part, counters):
+    def chunk_then_merge(c, kvh, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
+                         o_part, m_part, l_part, counters):
         """chunk_block, then the last of a query's chunk blocks for KV head kvh to finish (counters[t Hkv + kvh],
-        last_to_arrive) merges the G heads of the group (merge_head)."""
-        count = chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part,
-                            m_part, l_part)
+        last_to_arrive) merges the G heads of the group at once (merge_heads)."""
+        count = chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
+                            o_part, m_part, l_part)
         if count > 1 and last_to_arrive(counters, t * (q.shape[1] // group) + kvh, count):
-            for g in range(group):
-                merge_head(o_part, m_part, l_part, t, kvh * group + g, count, out)
+            merge_heads(o_part, m_part, l_part, t, kvh * group, group, count, out)
 
     @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part,
                      counters):
-        """Attention in one launch: chunk_then_merge for (c, kvh, t) = blockIdx. Grid (C, Hkv, T), block THREADS
-        (= MERGE_THREADS)."""
-        inputs_ready()
+        """Attention in one launch: chunk_then_merge for (c, kvh, t) = blockIdx, the keys from positions[0] on new.
+        Grid (C, Hkv, T), block THREADS."""
         chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table,
-                         positions, target, unit, scale, out, o_part, m_part, l_part, counters)
+                         positions, positions[0], target, unit, scale, out, o_part, m_part, l_part, counters)
 
     @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_rows(q, k_words, v_words, page_tables, seq_of_row, positions, target, unit, scale, out, o_part,
                           m_part, l_part, counters):
         """flash_decode for rows of several sequences (a batched decode step): row t reads its keys through the
-        page table of its sequence, page_tables[seq_of_row[t]] ([S, P] int32). Grid (C, Hkv, T), block THREADS."""
-        inputs_ready()
+        page table of its sequence, page_tables[seq_of_row[t]] ([S, P] int32), its key positions[t] the only new
+        one (a row per sequence). Grid (C, Hkv, T), block THREADS."""
         t = cuda.blockIdx.z
         chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, t, q, k_words, v_words, page_tables[seq_of_row[t]],
-                         positions, target, unit, scale, out, o_part, m_part, l_part, counters)
+                         positions, positions[t], target, unit, scale, out, o_part, m_part, l_part, counters)
 
     return flash_decode_chunks, flash_decode, flash_decode_rows
 
 
 @cuda.jit(device=True)
-def merge_head(o_part, m_part, l_part, t, h, n_chunks, out):
+def merge_heads(o_part, m_part, l_part, t, h0, heads, n_chunks, out):
     """out[t, h] = sum_c w_c o_part[t, h, c] / sum_c w_c l_part[t, h, c], w_c = exp(m_part[t, h, c] - M), M the
-    largest m, over the chunks c < n_chunks of query t (n_chunks > 1).
+    largest m, over the chunks c < n_chunks of query t (n_chunks > 1), for the heads h0 .. h0 + heads - 1.
 
-    o_part [T, H, C, hd], m_part, l_part [T, H, C], out [T, H, hd], float32; block MERGE_THREADS. Thread (cg, dl)
-    merges component d = d0 + dl of the chunks cg, cg + groups, ...: MERGE_UNROLL chunks per round, their o, m and
-    l loaded at once (one memory latency for all, none waiting on another), into a running max m and the sums of
-    exp(m_c - m) o_c and exp(m_c - m) l_c (rescaled by exp(m_old - m_new) when a round raises m). The groups then
-    meet in shared memory and are added in group order: a fixed order throughout.
+    o_part [T, H, C, hd], m_part, l_part [T, H, C], out [T, H, hd], float32. Each thread of the block merges
+    components (h, d) of its own, tid, tid + blockDim, ..., over the chunks in order, MERGE_UNROLL at a time: their
+    o, m and l loaded at once (one memory latency a round, none waiting on another), then folded into a running
+    max m and the sums of exp(m_c - m) o_c and exp(m_c - m) l_c (rescaled by exp(m_old - m_new) when a round raises
+    m). A component's arithmetic depends on nothing but its chunks: one head merged alone or a group of heads
+    together give the same bits, and no thread waits for another (no shared memory, no barrier).
     """
-    m_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
-    o_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
-    l_s = cuda.shared.array(MERGE_THREADS, dtype=float32)
     o_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     m_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
     l_vals = cuda.local.array(MERGE_UNROLL, dtype=float32)
-    tid = cuda.threadIdx.x
     hd = out.shape[2]
-    span = min(hd, MERGE_THREADS)
-    groups = MERGE_THREADS // span
-    cg = tid // span
-    dl = tid - cg * span
-    for d0 in range(0, hd, span):
-        d = min(d0 + dl, hd - 1)  # (a thread past hd merges component hd - 1 again and writes nothing)
+    for x in range(cuda.threadIdx.x, heads * hd, cuda.blockDim.x):
+        h, d = h0 + x // hd, x % hd
         m, o, l = float32(-math.inf), float32(0), float32(0)  # noqa: E741
-        if cg < groups:
-            for c0 in range(cg, n_chunks, groups * MERGE_UNROLL):
-                for u in range(MERGE_UNROLL):  # past the last chunk: the last chunk again, with m = -inf (weight 0)
-                    c = min(c0 + u * groups, n_chunks - 1)
-                    o_vals[u] = o_part[t, h, c, d]
-                    l_vals[u] = l_part[t, h, c]
-                    m_vals[u] = m_part[t, h, c] if c0 + u * groups < n_chunks else float32(-math.inf)
-                m_new = m
-                for u in range(MERGE_UNROLL):
-                    m_new = max(m_new, m_vals[u])
-                a = float32(math.exp(m - m_new))  # m_new is finite: chunk c0 is real
-                o *= a
-                l *= a  # noqa: E741
-                for u in range(MERGE_UNROLL):
-                    w = float32(math.exp(m_vals[u] - m_new))
-                    o += w * o_vals[u]
-                    l += w * l_vals[u]  # noqa: E741
-                m = m_new
-        m_s[tid], o_s[tid], l_s[tid] = m, o, l
-        cuda.syncthreads()
-        if tid < span and d0 + tid < hd:
-            m_all = m_s[tid]
-            for g in range(1, groups):
-                m_all = max(m_all, m_s[g * span + tid])
-            num, den = float32(0), float32(0)
-            for g in range(groups):
-                if m_s[g * span + tid] > float32(-math.inf):  # a group with chunks
-                    f = float32(math.exp(m_s[g * span + tid] - m_all))
-                    num += f * o_s[g * span + tid]
-                    den += f * l_s[g * span + tid]
-            out[t, h, d0 + tid] = num / den
-        cuda.syncthreads()
+        for c0 in range(0, n_chunks, MERGE_UNROLL):
+            for u in range(MERGE_UNROLL):  # past the last chunk: the last chunk again, with m = -inf (weight 0)
+                c = min(c0 + u, n_chunks - 1)
+                o_vals[u] = o_part[t, h, c, d]
+                l_vals[u] = l_part[t, h, c]
+                m_vals[u] = m_part[t, h, c] if c0 + u < n_chunks else float32(-math.inf)
+            m_new = m
+            for u in range(MERGE_UNROLL):
+                m_new = max(m_new, m_vals[u])
+            a = float32(math.exp(m - m_new))  # m_new is finite: chunk c0 holds keys
+            o *= a
+            l *= a  # noqa: E741
+            for u in range(MERGE_UNROLL):
+                w = float32(math.exp(m_vals[u] - m_new))
+                o += w * o_vals[u]
+                l += w * l_vals[u]  # noqa: E741
+            m = m_new
+        out[t, h, d] = o / l
 
 
 @waits_for_inputs
 @cuda.jit
 def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
-    """merge_head for head h = blockIdx.x of query t = blockIdx.y, over the query's own chunks c < ceil(n /
+    """merge_heads for head h = blockIdx.x of query t = blockIdx.y, over the query's own chunks c < ceil(n /
     chunk_len(n)), n = positions[t] + 1 (a query with one chunk is left alone: flash_decode_chunks wrote it).
-    Grid (H, T), block MERGE_THREADS."""
+    Grid (H, T), a block of hd threads or more."""
     inputs_ready()
     t = cuda.blockIdx.y
     n = positions[t] + 1
     length = _chunk_len(n, target, unit)
     n_chunks = (n + length - 1) // length
     if n_chunks > 1:
-        merge_head(o_part, m_part, l_part, t, cuda.blockIdx.x, n_chunks, out)
+        merge_heads(o_part, m_part, l_part, t, cuda.blockIdx.x, 1, n_chunks, out)
 
 
 _CHUNKS = {}  # (dtype, group, head_dim, page_size) -> (flash_decode_chunks, flash_decode, flash_decode_rows)
@@ -469,7 +462,9 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish). With
     seq_of_row [T] int32, the rows belong to several sequences: page_table is [S, P], one row per sequence, row t
     reads its keys through page_table[seq_of_row[t]] (flash_decode_rows, always one launch; the same bits as each
-    sequence's rows alone).
+    sequence's rows alone). Launched programmatically (a step plan with overlapping launches) the kernels read the
+    keys before the pass's first position (positions[0], or each row's own with seq_of_row: a row per sequence)
+    before waiting for the kernel before them: those keys must not be written by it.
 
     q [T, H, hd] float32; k_table, v_table [rows, Hkv, hd] float32 or uint16 (bf16 bits), same dtype, 16-byte
     aligned; page_table [P] int32 (the sequence's pages, logical order); positions [T] int32: query t sees logical
@@ -519,5 +514,6 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
             launch(one_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts, counters)
     else:
         launch(chunks_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts)
-        launch(merge_chunks, (H, T), MERGE_THREADS, stream, rt, *parts, positions, target, unit, out)
+        launch(merge_chunks, (H, T), min(MERGE_THREADS, -(-hd // 32) * 32), stream, rt, *parts, positions, target,
+               unit, out)
     return out

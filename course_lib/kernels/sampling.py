@@ -29,7 +29,7 @@ from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 
 THREADS = sized(512, 32)  # one block; a multiple of 32 (1024 threads: too few registers each for the radix select)
-UNROLL = 4  # loads in flight per thread in the pass that finds the largest logit
+UNROLL = 16  # loads in flight per thread in the pass that finds the largest logit (a memory latency a round)
 RADIX = 256  # bins of a radix-select round (8 bits of a key)
 NO_TOKEN = -1
 _NONE = 2**31 - 1  # the index of a thread that has seen no logit yet
@@ -142,16 +142,16 @@ def warp_best(v, i, nan):
 def block_best(logits, best_v, best_i, any_nan):
     """(largest logit, its lowest index, any NaN) over the block, in every thread: one pass, UNROLL loads in flight
     per thread. best_v, best_i, any_nan: shared [32] float32, int32, int32."""
+    xs = cuda.local.array(UNROLL, dtype=float32)
     tid, V = cuda.threadIdx.x, logits.shape[0]
     lane, warp = tid % 32, tid // 32
     v, i, nan = float32(-math.inf), int32(_NONE), int32(0)
     j = tid
     while j + (UNROLL - 1) * THREADS < V:
-        x0, x1, x2, x3 = logits[j], logits[j + THREADS], logits[j + 2 * THREADS], logits[j + 3 * THREADS]
-        v, i, nan = visit(x0, j, v, i, nan)
-        v, i, nan = visit(x1, j + THREADS, v, i, nan)
-        v, i, nan = visit(x2, j + 2 * THREADS, v, i, nan)
-        v, i, nan = visit(x3, j + 3 * THREADS, v, i, nan)
+        for u in range(UNROLL):  # all the loads issued before the first is used
+            xs[u] = logits[j + u * THREADS]
+        for u in range(UNROLL):
+            v, i, nan = visit(xs[u], j + u * THREADS, v, i, nan)
         j += UNROLL * THREADS
     while j < V:
         v, i, nan = visit(logits[j], j, v, i, nan)
