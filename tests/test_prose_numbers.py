@@ -121,3 +121,15 @@ def test_one_pass_prose_quotes_its_runs():
                f"over 200 tokens, {r['row_dot+1k']['tokens_per_s']:,.0f}"]
     for figure in figures:
         assert figure in text, f"notebook 05 does not quote {figure!r}"
+
+
+def test_readme_quotes_the_default_recipes_run():
+    """The README's figures for the default recipe on SmolLM2 are those of data/bench_prefetch_h200.json."""
+    run = recorded("bench_prefetch_h200.json")
+    r = {row["recipe"]: row for row in run["rows"]}
+    text = " ".join((ROOT / "README.md").read_text().split())
+    for figure in (f"decoded {r['row_dot']['tokens_per_s']:,.0f} tokens/s",
+                   f"({r['row_dot']['gpu_ms_per_token']:.3f} ms of GPU time per token)",
+                   f"against {r['overlap']['tokens_per_s']:.0f} for the same graph",
+                   f"{run['peers']['compile+graph']:.0f} for `torch.compile` + CUDA graph"):
+        assert figure in text, f"the README does not quote {figure!r} (data/bench_prefetch_h200.json)"
