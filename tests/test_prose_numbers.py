@@ -133,3 +133,13 @@ def test_readme_quotes_the_default_recipes_run():
                    f"against {r['overlap']['tokens_per_s']:.0f} for the same graph",
                    f"{run['peers']['compile+graph']:.0f} for `torch.compile` + CUDA graph"):
         assert figure in text, f"the README does not quote {figure!r} (data/bench_prefetch_h200.json)"
+
+
+def test_prefetch_prose_quotes_its_run():
+    """Notebook 06, attention reading the cache before the wait: the gain quoted is that of data/prefetch_ab_h200.json
+    (the mean of the runs after over the mean of the runs before, both calls together)."""
+    rows = [r for call in recorded("prefetch_ab_h200.json")["calls"] for r in call if r["recipe"] == "row_dot"]
+    mean = {tag: sum(r["tokens_per_s"] for r in rows if r["tag"] == tag) / sum(r["tag"] == tag for r in rows)
+            for tag in ("old", "new")}
+    text = markdown_cell("06", "About ")
+    assert text.startswith(f"About {100 * (mean['new'] / mean['old'] - 1):.0f}% more tokens per second")
