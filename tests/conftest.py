@@ -31,6 +31,13 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def tiny_one_layer():
+    """The tiny model cut to one layer and d_ff = 64: for the simulator's longest tests of a whole step (a step's
+    bits and a cache's rows do not depend on the depth; the GPU suite runs them on the real model's 30 layers)."""
+    return course_lib.tiny_model(n_layers=1, d_ff=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen():
     """Qwen2 flavour: QKV bias, untied output head."""
     return course_lib.tiny_model("qwen2", tied=False, seed=1)

@@ -51,7 +51,7 @@ def test_cache_equals_no_cache(request, temperature):
     the whole sequence every token (reset, then prefill): the cache changes the work, not the result."""
     if SIMULATOR and temperature == 0:
         pytest.skip("simulator time: the bits do not depend on how the tokens were chosen (seeded covers it)")
-    model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
+    model = request.getfixturevalue("tiny_one_layer" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_NO_CACHE
     cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))  # the default's
@@ -81,7 +81,7 @@ def test_cache_equals_one_full_prefill(request, temperature):
     uncached generation would have chosen the same tokens."""
     if SIMULATOR and temperature == 0:
         pytest.skip("simulator time: the bits do not depend on how the tokens were chosen (seeded covers it)")
-    model = request.getfixturevalue("tiny" if SIMULATOR else "smollm")
+    model = request.getfixturevalue("tiny_one_layer" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + N_FULL_PREFILL
     cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))  # the default's
