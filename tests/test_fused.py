@@ -83,6 +83,35 @@ def test_gate_up_swiglu_equals_its_kernels(rng, shape, T, dtype):
     same_bits(got, want, "silu(gate) * up")
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, shape):
+    """qkv_rope and gate_up_swiglu on the rows of a batch (the slices' sums of chunks of rows,
+    narrow.rows_sums_kernel, then the epilogue in another launch; rms_norm first) give every row the bits it gets in
+    a launch of its own (the split-K block of one row, the norm inside): the same additions in the same order."""
+    d, H, Hkv, hd, F = shape["d"], shape["H"], shape["Hkv"], shape["hd"], shape["F"]
+    T, n = narrow.ROWS_CHUNKS[0] + 3, (H + 2 * Hkv) * hd
+    x, gamma = randn(rng, T, d), 1 + randn(rng, d, scale=0.1)
+    w_qkv, b_qkv = dev(f32_to_bf16(randn(rng, d, n, scale=d ** -0.5))), dev(randn(rng, n))
+    w_gu = dev(f32_to_bf16(fused.interleave_gate_up(randn(rng, d, F, scale=d ** -0.5),
+                                                    randn(rng, d, F, scale=d ** -0.5))))
+    cos, sin = dev(randn(rng, 64, hd // 2)), dev(randn(rng, 64, hd // 2))
+    positions, slots = rng.integers(0, 64, T).astype(np.int32), rng.permutation(2 * T)[:T].astype(np.int32)
+
+    def run(rows):
+        x_d, norm = dev(x[rows]), (dev(gamma), EPS)
+        k_table, v_table = poisoned((2 * T, Hkv, hd)), poisoned((2 * T, Hkv, hd))
+        q = fused.qkv_rope(x_d, w_qkv, b_qkv, norm, cos, sin, dev(positions[rows]), dev(slots[rows]),
+                           poisoned((len(rows), H * hd)), k_table, v_table)
+        act = fused.gate_up_swiglu(x_d, w_gu, norm, poisoned((len(rows), F)))
+        k_rows, v_rows = (t.copy_to_host()[slots[rows]] for t in (k_table, v_table))
+        return q.copy_to_host(), k_rows, v_rows, act.copy_to_host()
+
+    batch = run(np.arange(T))
+    for r in (0, narrow.ROWS_CHUNKS[0] - 1, T - 1):  # the first and last rows of the first chunk, the last row
+        for what, got, alone in zip(("q", "k", "v", "act"), batch, run(np.array([r])), strict=True):
+            same_bits(got[r:r + 1], alone, f"{what}, row {r}")
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("M,K,F", [(1, 40, 24), (19, 37, 40)] if SIMULATOR else [(1, 576, 1536), (200, 576, 1536),
                                                                                  (77, 2048, 8192)])
