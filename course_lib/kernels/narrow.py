@@ -83,10 +83,6 @@ TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
 # two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
-WARP_ROWS = 4  # rows of a batch each warp of `rows_sums_for` sums: 4 x VEC sums and their totals, 64 registers
-ROWS_CHUNKS = (8, 4) if SIMULATOR else (64, 32, 16)  # the chunks of rows a block of `rows_sums_for` may sum (WARP_ROWS
-# a warp): the largest that still gives the launch a block per SM
-ROWS_PIECE = sized(32, 8)  # rows of K that block stages in shared memory at a time (32 KB of widened weights)
 NORMED_ROWS = 1  # the most rows a split-K block normalizes itself: with the norm inside, the kernel of 2 rows or more
 # needs more than the 128 registers a thread of 16 warps may have, and spills (ptxas, sm_90: 52 bytes a thread at 2
 # rows, over 400 at 4); a launch of more rows has rms_norm write them normalized first (the same bits)
@@ -222,117 +218,15 @@ def split_k_block_for(rows, width, load, normed):
     return split_k_block
 
 
-@functools.cache
-def rows_sums_for(rows, load):
-    """The device function rows_sums(g, s, a, b, partial): slice s of K of the columns of group g for a chunk of up
-    to `rows` rows (a batch's; a block of rows / WARP_ROWS warps) into partial[s], with split_k_sums' bits (16-byte
-    loads: VEC columns per lane, load(b, k, v, per_row) as in split_k_block_for; no norm).
-
-    split_k_sums has warp w add the slice's rows k0 + w, k0 + w + WARPS, ... (its residue w) into its own sums, then
-    adds the warps' sums in warp order. With 4 rows a block, a batch of 64 needs 16 blocks per (group, slice), each
-    reading the weights again, each waiting for its loads one residue row at a time. Here the block first stages
-    ROWS_PIECE rows of the slice, in slice order (residue 0's rows, residue 1's, ...), into shared memory: their
-    weights, widened, and the chunk's activations (a thread's loads all in flight, then stored: a loop that stored
-    each before the next load would wait for each in turn); then warp q sums the rows
-    q WARP_ROWS ... of the chunk, each thread walking the staged rows in that order: `acc`, the running sums of the
-    residue, `total`, the residues before it added in order. The additions are split_k_sums', one after the other.
-    A thread reads its 8 weights of a row once for its WARP_ROWS rows (shared memory's bandwidth is the limit)."""
-    warp_rows, pitch = WARP_ROWS, rows + 1  # pitch: xs's row, one longer than the chunk: no bank conflicts
-    threads = rows_threads(rows)
-    w_loads, x_loads = ROWS_PIECE * 32 // threads, ROWS_PIECE * rows // threads  # loads a thread stages per piece
-
-    @cuda.jit(device=True)
-    def slice_row(t, k0, L):
-        """The row of K at position t of slice order (slice [k0, k0 + L)): residue w has L // WARPS rows, one more
-        when w < L % WARPS."""
-        m, rem = L // WARPS, L % WARPS
-        long_ones = rem * (m + 1)
-        if t < long_ones:
-            w = t // (m + 1)
-            return k0 + w + WARPS * (t - w * (m + 1))
-        w = rem + (t - long_ones) // m
-        return k0 + w + WARPS * (t - long_ones - (w - rem) * m)
-
-    @cuda.jit(device=True)
-    def rows_sums(g, s, a, b, partial):
-        ws = cuda.shared.array((ROWS_PIECE, VEC, 32), dtype=float32)  # ws[t, c, lane]: no bank conflicts
-        xs = cuda.shared.array((ROWS_PIECE, pitch), dtype=float32)  # xs[t, r] = a[r, row t]
-        acc = cuda.local.array((warp_rows, VEC), dtype=float32)
-        total = cuda.local.array((warp_rows, VEC), dtype=float32)
-        wv = cuda.local.array(VEC, dtype=float32)
-        wbuf = cuda.local.array((w_loads, VEC), dtype=float32)
-        xbuf = cuda.local.array(x_loads, dtype=float32)
-        R, K, N, S = a.shape[0], a.shape[1], partial.shape[2], partial.shape[0]
-        tid = cuda.threadIdx.x
-        lane, r0 = tid % 32, (tid // 32) * warp_rows
-        per_row = N // VEC
-        k0 = s * K // S
-        L = (s + 1) * K // S - k0
-        m, rem = L // WARPS, L % WARPS
-        for r in range(warp_rows):
-            for c in range(VEC):
-                acc[r, c] = float32(0)
-        w, j, first = 0, 0, True  # the residue and index of the next row in slice order; no residue added yet
-        in_w = m + (1 if rem > 0 else 0)
-        for p0 in range(0, L, ROWS_PIECE):
-            n = min(ROWS_PIECE, L - p0)
-            cuda.syncthreads()  # the previous piece is used up
-            for i in range(w_loads):  # every load of the piece in flight, then the stores
-                t, u = (tid + i * threads) // 32, (tid + i * threads) % 32
-                if t < n and g * 32 + u < per_row:
-                    wts = load(b, slice_row(p0 + t, k0, L), g * 32 + u, per_row)
-                    for c in range(VEC):
-                        wbuf[i, c] = wts[c]
-            for i in range(x_loads):  # along a row of a: its rows of the slice are near one another
-                r, t = (tid + i * threads) // n, (tid + i * threads) % n
-                if r < R and r < rows:
-                    xbuf[i] = a[r, slice_row(p0 + t, k0, L)]
-            for i in range(w_loads):
-                t, u = (tid + i * threads) // 32, (tid + i * threads) % 32
-                if t < n:
-                    for c in range(VEC):
-                        ws[t, c, u] = wbuf[i, c]
-            for i in range(x_loads):
-                r, t = (tid + i * threads) // n, (tid + i * threads) % n
-                if r < rows:
-                    xs[t, r] = xbuf[i] if r < R else float32(0)
-            cuda.syncthreads()
-            for t in range(n):
-                if j == 0 and w > 0:  # residue w - 1 is whole: total (+)= its sums, as store_row adds the warps'
-                    for r in range(warp_rows):
-                        for c in range(VEC):
-                            total[r, c] = acc[r, c] if first else total[r, c] + acc[r, c]
-                            acc[r, c] = float32(0)
-                    first = False
-                for c in range(VEC):
-                    wv[c] = ws[t, c, lane]
-                for r in range(warp_rows):
-                    x = xs[t, r0 + r]
-                    for c in range(VEC):
-                        acc[r, c] += x * wv[c]
-                j += 1
-                if j == in_w:
-                    w, j = w + 1, 0
-                    in_w = m + (1 if w < rem else 0)
-        v = g * 32 + lane
-        if v < per_row:
-            for r in range(warp_rows):  # the last residue (the empty ones after it would add zeros)
-                if r0 + r < R:
-                    for c in range(VEC):
-                        partial[s, r0 + r, v * VEC + c] = acc[r, c] if first else total[r, c] + acc[r, c]
-
-    return rows_sums
-
-
 @cuda.jit(device=True)
-def rows_of_block(R, chunk, done):
+def rows_of_block(R, done):
     """(lo, hi, counters) in a launch with a block per chunk of rows: the rows lo .. hi - 1 of the launch's R rows
-    that this block sums, chunk blockIdx.z of `chunk` rows (grid z: ceil(R / chunk)), and the chunk's own
+    that this block sums, chunk blockIdx.z of KERNEL_ROWS rows (grid z: R / KERNEL_ROWS), and the chunk's own
     completion counters, one per column group, in `done` [groups x chunks]. A kernel of one chunk (a decode step's
     row) takes its arrays whole instead: a view of some rows of partial is strided, and costs every index of it more
     arithmetic and the kernel more registers."""
-    lo = cuda.blockIdx.z * chunk
-    return lo, min(R, lo + chunk), done[cuda.blockIdx.z * cuda.gridDim.x:]
+    lo = cuda.blockIdx.z * KERNEL_ROWS
+    return lo, min(R, lo + KERNEL_ROWS), done[cuda.blockIdx.z * cuda.gridDim.x:]
 
 
 @cuda.jit(device=True)
@@ -400,11 +294,10 @@ def store_group_for(group, bias_f32, accumulate):
 
 # ---- kernel factories: one kernel per (rows, weight kind) ----
 
-def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chunked, epilogue_only):
+def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chunked):
     """The split-K kernel: its weights asked of the L2 cache (prefetch), its inputs waited for (kernels/overlap.py),
     split_k_block then, in each group's last block, store_group (see the top); chunked: a block per chunk of rows
-    (rows_of_block). epilogue_only: only store_group, a block per (group, chunk), the slices' sums already in
-    partial (rows_sums_kernel's)."""
+    (rows_of_block)."""
     block = split_k_block_for(rows, width, load, normed)
     store = store_group_for(32 * width, bias_f32, accumulate)
 
@@ -413,51 +306,19 @@ def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chu
         accumulates; h = a, or RMSNorm(a) * gamma [K] (eps) when normed; through partial [S, R, N] and done
         (split_k_block), done [groups x chunks]. Grid (ceil(N / group), S, chunks of rows_of_block), THREADS."""
         g, s = cuda.blockIdx.x, cuda.blockIdx.y
-        if epilogue_only:
-            inputs_ready()
-            lo, hi, _ = rows_of_block(out.shape[0], rows, done)
-            store(g, partial[:, lo:hi], bias, out[lo:hi])
-            return
         prefetch(g, s, a, b, partial)
         inputs_ready()
         if chunked:
-            lo, hi, counters = rows_of_block(a.shape[0], rows, done)
+            lo, hi, counters = rows_of_block(a.shape[0], done)
             if block(g, s, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
                 store(g, partial[:, lo:hi], bias, out[lo:hi])
         elif block(g, s, a, gamma, eps, b, partial, done):
             store(g, partial, bias, out)
 
     name = ("matmul_split_k" + ("_norm" if normed else "") + ("_vec" if width == VEC else "")
-            + ("_add" if accumulate else "") + ("_epilogue" if epilogue_only else ""))
+            + ("_add" if accumulate else ""))
     matmul_split_k.__name__ = matmul_split_k.__qualname__ = name  # the name profiles and tests see
     return waits_for_inputs(cuda.jit(**SPLIT_K_BOUNDS)(matmul_split_k))
-
-
-@functools.cache
-def rows_sums_kernel(rows, kind):
-    """The kernel of rows_sums_for for weight kind "f32x8" or "bf16x8": the slices' sums of a batch's rows, a block
-    per (group, slice, chunk of `rows` rows), into partial; the epilogue is another launch (epilogue_only)."""
-    _, load, prefetch = SPLIT_K_LOADS[kind]
-    sums = rows_sums_for(rows, load)
-    threads = rows_threads(rows)
-
-    def split_k_rows_sums(a, b, partial):
-        """partial[s, r, n] = the sum over slice s of K of a [R, K] @ b [K, N], summed as split_k_sums does. Grid
-        (ceil(N / 256), S, ceil(R / rows)), block rows_threads(rows)."""
-        g, s, lo = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z * rows
-        if cuda.blockIdx.z == 0:  # the chunks read the same weights
-            prefetch(g, s, a, b, partial)
-        inputs_ready()
-        hi = min(a.shape[0], lo + rows)
-        sums(g, s, a[lo:hi], b, partial[:, lo:hi])
-
-    split_k_rows_sums.__name__ = split_k_rows_sums.__qualname__ = "split_k_rows_sums_vec"
-    return waits_for_inputs(cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads,)}))(split_k_rows_sums))
-
-
-def rows_threads(rows: int) -> int:
-    """Threads of a block of rows_sums_kernel for a chunk of `rows` rows: a warp per WARP_ROWS rows."""
-    return 32 * rows // WARP_ROWS
 
 
 @cuda.jit(device=True)
@@ -601,20 +462,19 @@ _TRANSPOSED = {
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked, epilogue_only) -> kernel
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked) -> kernel, built on first use
 
 
 def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,
-               chunked: bool = False, epilogue_only: bool = False):
+               chunked: bool = False):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
-    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, only the epilogue when
-    `epilogue_only`; built and cached on first use."""
-    key = (family, kind, rows, bias, accumulate, normed, chunked, epilogue_only)
+    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`; built and cached on first
+    use."""
+    key = (family, kind, rows, bias, accumulate, normed, chunked)
     if key not in _KERNELS:
         if family == "split_k":
-            _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked,
-                                          epilogue_only)
+            _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows, normed)
     return _KERNELS[key]
@@ -673,39 +533,32 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     if accumulate and out is None:
         raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: kernel_for(
-                         "split_k", kind, rows, bias_kind, accumulate, normed, chunked, epilogue_only),
+    split_k_launches(lambda rows, kind, bias_kind, normed, chunked: kernel_for("split_k", kind, rows, bias_kind,
+                                                                              accumulate, normed, chunked),
                      a, b, bias, norm, (), (out,), stream, rt)
     return out
 
 
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
-    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked, epilogue_only)[grid, THREADS](a[part], gamma,
-    eps, weights, bias, partial, done, *fixed, *(x[part] for x in sliced)).
-    - R <= KERNEL_ROWS: one launch of R rows.
-    - More, with 16-byte loads (a batch's rows): launches of up to LAUNCH_ROWS rows, each two kernels: the slices'
-      sums of chunks of rows (rows_sums_kernel, each weight read once per chunk; the chunk the largest of ROWS_CHUNKS
-      that still gives a block per SM), then the epilogue, a block per (group, KERNEL_ROWS rows) (epilogue_only):
-      in one kernel the last block of a group of 64 rows would add 64 x 256 columns x S slices alone, after all
-      the others.
-    - More, one element per load: launches of up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, a block per chunk
-      of KERNEL_ROWS rows (grid (groups, S, chunks), chunked), then one launch of the rows left.
-    Every row gets the bits it gets alone. A norm is computed by the kernel for at most NORMED_ROWS rows, else by
-    rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns per lane, or None for
-    VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by
-    default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias
-    and norm."""
+    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked)[grid, THREADS](a[part], gamma, eps, weights,
+    bias, partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else
+    launches of up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, with a block per chunk of KERNEL_ROWS rows (grid
+    (groups, S, chunks), chunked), and one of the rows left. A norm is computed by the kernel for at most
+    NORMED_ROWS rows, else by rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns
+    per lane, or None for VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k
+    sets the slices (N by default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See
+    matmul_narrow for bias and norm."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
     kind = weight_kind(b, vector=width == VEC)
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
-    parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows (a multiple of KERNEL_ROWS, one element per load), then
-    while R - lo > KERNEL_ROWS:  # the rest
+    parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, then the rest
+    while R - lo > KERNEL_ROWS:
         n = min(R - lo, LAUNCH_ROWS)
-        parts.append((lo, lo + (n if width == VEC else n - n % KERNEL_ROWS)))
+        parts.append((lo, lo + n - n % KERNEL_ROWS))
         lo = parts[-1][1]
     if lo < R:
         parts.append((lo, R))
@@ -722,19 +575,9 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     gamma, eps = norm_args(norm, K)
     for lo, hi in parts:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
-        n, args = hi - lo, (a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
-        if n <= KERNEL_ROWS:
-            launch(kernel_of(n, kind, bias_kind, norm is not None, False, False), (groups, slices, 1), THREADS,
-                   stream, rt, *args)
-        elif width == VEC:
-            chunk = next((c for c in ROWS_CHUNKS if groups * slices * -(-n // c) >= sm_count()), ROWS_CHUNKS[-1])
-            launch(rows_sums_kernel(chunk, kind), (groups, slices, -(-n // chunk)), rows_threads(chunk), stream, rt,
-                   a_rows, weights, partial[:, :n])
-            launch(kernel_of(KERNEL_ROWS, kind, bias_kind, False, True, True), (groups, 1, -(-n // KERNEL_ROWS)),
-                   THREADS, stream, rt, *args)
-        else:
-            launch(kernel_of(KERNEL_ROWS, kind, bias_kind, norm is not None, True, False),
-                   (groups, slices, n // KERNEL_ROWS), THREADS, stream, rt, *args)
+        launch(kernel_of(min(hi - lo, KERNEL_ROWS), kind, bias_kind, norm is not None, hi - lo > KERNEL_ROWS),
+               (groups, slices, -(-(hi - lo) // KERNEL_ROWS)), THREADS, stream, rt, a_rows, gamma, eps, weights, bias,
+               partial, done, *fixed, *rest)
 
 
 def norm_args(norm, K: int):
