@@ -143,3 +143,15 @@ def test_prefetch_prose_quotes_its_run():
             for tag in ("old", "new")}
     text = markdown_cell("06", "About ")
     assert text.startswith(f"About {100 * (mean['new'] / mean['old'] - 1):.0f}% more tokens per second")
+
+
+def test_row_tiles_prose_quotes_their_runs():
+    """Notebook 07, the third row-tile attempt: the µs a launch quoted for the sums and the epilogues at 64 rows are
+    those of data/batch_rows_sums_ab_h200.json (both profiled versions)."""
+    runs = recorded("batch_rows_sums_ab_h200.json")["random_smollm2_weights"].values()
+    each = [{name: 1e3 * ms / n for name, n, ms in run["profile_64"]["kernels"]} for run in runs]
+    sums = [us for e in each for name, us in e.items() if name.startswith("split_k_rows_sums")]
+    epilogues = [us for e in each for name, us in e.items() if name.endswith("_epilogue")]
+    text = markdown_cell("07", "## What is not done yet")
+    assert f"({min(epilogues):.1f} to {max(epilogues):.1f} µs)" in text
+    assert f"took\n  {min(sums):.0f} to {max(sums):.0f} µs a launch at 64 rows" in text
