@@ -206,23 +206,23 @@ class NumpyBatch(Runner):
 
 
 class CudaBatch(Runner):
-    """The CUDA backend's fused step (gpu.backend.FUSED) over several sequences sharing its paged cache: a pass per
-    sequence for its prompt (kernels launched one by one), then each decode step of the running sequences as one
-    recorded step plan (gpu.plan.BatchPlan) for the smallest bucket of rows that holds them, replayed as a CUDA graph
-    on a GPU: their rows side by side in every matmul, so that each weight read serves them all (the split-K
-    kernels sum a row the same way whatever the number of rows), attention in one launch, each row through its own
-    sequence's page table, and every row's next token sampled on the GPU (T ids come back, not T x V logits), each
-    kernel launched programmatically as in the "overlap" recipe (kernels/overlap.py). Only the rows' bookkeeping is
-    on the host. One page of the cache, past the `pages` given to the sequences, holds the
-    padding rows' keys and values."""
+    """The CUDA backend's fused step (gpu.backend.BATCHED: FUSED, with the logits in tiles of rows) over several
+    sequences sharing its paged cache: a pass per sequence for its prompt (kernels launched one by one), then each
+    decode step of the running sequences as one recorded step plan (gpu.plan.BatchPlan) for the smallest bucket of
+    rows that holds them, replayed as a CUDA graph on a GPU: their rows side by side in every matmul, so that each
+    weight read serves them all (every kernel sums a row the same way whatever the number of rows), attention in one
+    launch, each row through its own sequence's page table, and every row's next token sampled on the GPU (T ids
+    come back, not T x V logits), each kernel launched programmatically as in the "overlap" recipe
+    (kernels/overlap.py). Only the rows' bookkeeping is on the host. One page of the cache, past the `pages` given
+    to the sequences, holds the padding rows' keys and values."""
 
     PADDING = "padding rows"
 
     def __init__(self, model: Model, pages: int, max_len: int, weights: str = "bf16"):
-        from .gpu.backend import FUSED, CudaBackend
+        from .gpu.backend import BATCHED, CudaBackend
 
         self.model = model
-        self.backend = CudaBackend(model, max_len, weights=weights, ops=FUSED, pages=pages + 1)
+        self.backend = CudaBackend(model, max_len, weights=weights, ops=BATCHED, pages=pages + 1)
         self.cache = self.backend.cache
         self.cache.free(0)  # the backend's own sequence: the batch's sequences take the pages
         self.cache.add(self.PADDING, 1)

@@ -636,6 +636,22 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
                          f"{F2})"))
             jobs.append((f"gate_up_swiglu_chunked[{kind}]", fused.gate_up_kernel(rows, kind, "f32", False, True),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+        if rows == narrow.KERNEL_ROWS and kind.endswith("x8"):  # a batch's rows: the sums of chunks, the epilogues
+            for tile in narrow.TILES:
+                jobs.append((f"split_k_tile_sums[{kind}, {tile}]", narrow.tile_sums_kernel(tile, kind),
+                             f"void({F2}, {w2}, {F3})"))
+            for tile in narrow.ROWS_TILES:
+                jobs.append((f"transposed_rows[{kind}, {tile}]", narrow.transposed_rows_kernel(tile, kind),
+                             f"void({F2}, uint32[::1], {F2})"))
+            jobs.append((f"split_k_add_epilogue[{kind}]", narrow.kernel_for("split_k", kind, rows, "f32", True,
+                                                                            chunked=True, epilogue_only=True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+            jobs.append((f"qkv_rope_epilogue[{kind}]", fused.qkv_rope_kernel(rows, kind, "f32", False, np.uint16, 64,
+                                                                             True, True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, uint16[:, :, ::1], "
+                         f"uint16[:, :, ::1], {I1}, {I1}, {F2})"))
+            jobs.append((f"gate_up_swiglu_epilogue[{kind}]", fused.gate_up_kernel(rows, kind, "f32", False, True, True),
+                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
                      f"void({F2}, {F1}, float32, {a2}, {w2}, {F2})" if kind.endswith("x8")
@@ -765,10 +781,14 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     check(got.copy_to_host(), want, tol)
     [(slices, rows, cols)] = set(rt.partials)  # the partial sums, shared by the launches
     assert rt.allocations == 0  # out was given; the partial sums are a view of a buffer kept between calls
-    whole = M - M % nw.KERNEL_ROWS if M > nw.KERNEL_ROWS else 0  # rows of the launch of chunks; then the rest
+    whole = 0 if M <= nw.KERNEL_ROWS else M if N % 8 == 0 else M - M % nw.KERNEL_ROWS  # rows of the launch of
+    # chunks (any number with 16-byte loads, a multiple of KERNEL_ROWS else); then the rest
     assert (rows, cols) == (max(whole, M - whole), N) and slices >= 2 and K % slices != 0  # K not a multiple
-    launches = (whole > 0) + (whole < M)  # the bias inside
-    assert rt.launched == ["matmul_split_k_vec" if N % 8 == 0 else "matmul_split_k"] * launches
+    if N % 8 == 0:  # a batch's rows: the sums of chunks of rows, then the epilogue (the bias inside)
+        want = ["split_k_tile_sums_vec", "matmul_split_k_vec_epilogue"] if whole else ["matmul_split_k_vec"]
+    else:
+        want = ["matmul_split_k"] * ((whole > 0) + (whole < M))
+    assert rt.launched == want
 
 
 def test_a_norm_of_several_rows_is_computed_first(rng):
@@ -801,22 +821,25 @@ def test_matmul_narrow_deterministic(rng):
         np.testing.assert_array_equal(first[r:r + 1].view(np.uint32), alone.view(np.uint32))
 
 
-def test_matmul_narrow_many_rows(rng):
-    """More rows than a launch takes (LAUNCH_ROWS): launches of LAUNCH_ROWS rows, then a multiple of
-    KERNEL_ROWS, then the rest; every row within the float32 tolerance, and the last one bit for bit as alone."""
+@pytest.mark.parametrize("N", [24, 23])  # 16-byte loads (a launch of sums, one of epilogues), one element per load
+def test_matmul_narrow_many_rows(rng, N):
+    """More rows than a launch takes (LAUNCH_ROWS): launches of LAUNCH_ROWS rows, then (one element per load) a
+    multiple of KERNEL_ROWS, then the rest; every row within the float32 tolerance, and the last one bit for bit as
+    alone."""
     M = nw.LAUNCH_ROWS + nw.KERNEL_ROWS + 2
-    a, b, bias, want, tol = linear_case(rng, M, 40, 24, "bf16", "f32")
+    a, b, bias, want, tol = linear_case(rng, M, 40, N, "bf16", "f32")
     rt = _RecordingRuntime()
-    got = nw.matmul_narrow(dev(a), dev(b), dev(bias), out=poisoned((M, 24)), rt=rt).copy_to_host()
+    got = nw.matmul_narrow(dev(a), dev(b), dev(bias), out=poisoned((M, N)), rt=rt).copy_to_host()
     check(got, want, tol)
-    assert len(rt.launched) == 3 and {rows for _, rows, _ in rt.partials} == {nw.LAUNCH_ROWS}
-    alone = nw.matmul_narrow(dev(a[-1:]), dev(b), dev(bias)).copy_to_host()
-    np.testing.assert_array_equal(got[-1:].view(np.uint32), alone.view(np.uint32))
+    assert len(rt.launched) == (4 if N % 8 == 0 else 3) and {rows for _, rows, _ in rt.partials} == {nw.LAUNCH_ROWS}
+    for r in (M - 1, nw.tile_rows(nw.TILES[0]) + 1):  # the last row, and one of the second chunk of the first launch
+        alone = nw.matmul_narrow(dev(a[r:r + 1]), dev(b), dev(bias)).copy_to_host()
+        np.testing.assert_array_equal(got[r:r + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {r}")
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("N", [72, 71])
-@pytest.mark.parametrize("M", [1, 6])  # 6: a launch of 4 rows and one of 2
+@pytest.mark.parametrize("M", [1, 6])  # 6: a launch of sums and one of epilogues, or of 4 rows and one of 2
 def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype):
     """out += a @ b in the reduction (the fused residual) gives the bits of the matmul then the add kernel."""
     a, b, _, want, tol = linear_case(rng, M, 200, N, dtype, None)
@@ -827,7 +850,11 @@ def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype
     fused = nw.matmul_narrow(a_dev, b_dev, out=dev(x), rt=rt, accumulate=True).copy_to_host()
     np.testing.assert_array_equal(fused.view(np.uint32), separate.view(np.uint32))
     check(fused, x + want, tol)
-    assert set(rt.launched) == {"matmul_split_k_vec_add" if N % 8 == 0 else "matmul_split_k_add"}
+    if N % 8 == 0:  # 6 rows: the sums of chunks of rows, then the epilogue adding
+        assert set(rt.launched) == ({"matmul_split_k_vec_add"} if M <= nw.KERNEL_ROWS else
+                                    {"split_k_tile_sums_vec", "matmul_split_k_vec_add_epilogue"})
+    else:
+        assert set(rt.launched) == {"matmul_split_k_add"}
     with pytest.raises(ValueError, match="give out"):
         nw.matmul_narrow(a_dev, b_dev, accumulate=True)
 
@@ -873,6 +900,45 @@ def test_matmul_transposed(rng, M, N, dtype, K):
     got = nw.matmul_transposed(dev(a), dev(b), out=poisoned((M, N)), rt=rt).copy_to_host()
     check(got, R.logits(a, tied_weights(b32)), dot_tolerance(a, b32.T))
     assert rt.launched == ["matmul_transposed_vec" if K % 8 == 0 else "matmul_transposed_warps"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("K", [72, 40])  # several pieces of K, and a piece cut short (K < TILE_PIECE here)
+def test_matmul_transposed_rows_gives_each_row_its_bits_alone(rng, dtype, K):
+    """The batch's logits (matmul_transposed_rows): a @ b.T within the float32 tolerance, and each row with the
+    bits it gets in a launch of its own (another tile: one thread sums an output along K in order, whatever the
+    tile), the first and last rows of the first tile and the last row."""
+    M, N = nw.tile_rows(nw.ROWS_TILES[0]) + 3, 70  # two tiles of rows; N: the last block's rows of b cut short
+    b, b32 = weight(rng, dtype, N, K)
+    a = randn(rng, M, K)
+    rt = _RecordingRuntime()
+    got = nw.matmul_transposed_rows(dev(a), dev(b), out=poisoned((M, N)), rt=rt).copy_to_host()
+    check(got, R.logits(a, tied_weights(b32)), dot_tolerance(a, b32.T))
+    assert rt.launched == ["matmul_transposed_rows"]
+    for r in (0, nw.tile_rows(nw.ROWS_TILES[0]) - 1, M - 1):
+        alone = nw.matmul_transposed_rows(dev(a[r:r + 1]), dev(b), out=poisoned((1, N))).copy_to_host()
+        np.testing.assert_array_equal(got[r:r + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {r}")
+    with pytest.raises(ValueError, match="expected"):
+        nw.matmul_transposed_rows(dev(a[:, :K - 1]), dev(b))
+
+
+@pytest.mark.parametrize("K", [131, 40])  # two slices of odd lengths (residues of two lengths), one short slice
+def test_every_tile_sums_a_slice_with_the_same_bits(rng, K):
+    """The slices' sums of a batch's rows (tile_sums_kernel) are the same bits whatever the tile: each output is
+    summed in the slice order of split_k_sums, whichever thread and block hold it. They add up to a @ b."""
+    M, N = 11, 48
+    a, b = randn(rng, M, K), f32_to_bf16(randn(rng, K, N, scale=0.2))
+    S = nw.split_k(K, N, 32 * nw.VEC, nw.sm_count())
+    a_dev, words = dev(a), nw.words(dev(b))
+    sums = []
+    for tile in nw.TILES:
+        partial = poisoned((S, M, N))
+        grid = (-(-N // (nw.VEC * tile[0])), S, -(-M // nw.tile_rows(tile)))
+        nw.tile_sums_kernel(tile, "bf16x8")[grid, nw.TILE_THREADS](a_dev, words, partial)
+        sums.append(partial.copy_to_host())
+    for tile, got in zip(nw.TILES[1:], sums[1:], strict=True):
+        np.testing.assert_array_equal(got.view(np.uint32), sums[0].view(np.uint32), err_msg=f"tile {tile}")
+    check(sums[0].sum(0), a @ bf16_to_f32(b), dot_tolerance(a, bf16_to_f32(b)))
 
 
 def test_split_k_slices_at_least_min():
@@ -948,13 +1014,15 @@ def test_matmul_transposed_real(rng, config, dtype):
 
 
 @pytest.mark.parametrize("how,K,N,dtype", [("bias", 80, 40, "bf16"), ("accumulate", 67, 33, "f32"),
-                                           ("norm", 80, 40, "bf16"), ("bias", 131, 40, "bf16")])  # 16-byte loads,
-# or one element per load; K = 131: two slices of K of odd lengths, residues of different lengths
+                                           ("norm", 80, 40, "bf16"), ("bias", 131, 40, "bf16"),
+                                           ("accumulate", 131, 48, "f32")])  # 16-byte loads, or one element per
+# load; K = 131: two slices of K of odd lengths, residues of different lengths in the block of many rows
 def test_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, how, K, N, dtype):
-    """A launch of many rows (a batch's: a block per chunk of KERNEL_ROWS rows, each chunk with its own counters,
-    and the rows past a multiple of KERNEL_ROWS in a launch of their own) gives every row the bits that row gets
-    alone, in a launch of one row: plain with a bias, adding into the output, and normalizing its rows."""
-    R = 3 * nw.KERNEL_ROWS + 1
+    """A launch of many rows (a batch's: a block per chunk of rows, each chunk with its own counters; with 16-byte
+    loads the block of many rows, else chunks of KERNEL_ROWS and the rows past a multiple of KERNEL_ROWS in a launch
+    of their own) gives every row the bits that row gets alone, in a launch of one row: plain with a bias, adding
+    into the output, and normalizing its rows."""
+    R = nw.tile_rows(nw.TILES[0]) + nw.KERNEL_ROWS + 1
     a, x0 = randn(rng, R, K), randn(rng, R, N)
     b = randn(rng, K, N, scale=0.2)
     b = f32_to_bf16(b) if dtype == "bf16" else b

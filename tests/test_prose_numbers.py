@@ -145,13 +145,31 @@ def test_prefetch_prose_quotes_its_run():
     assert text.startswith(f"About {100 * (mean['new'] / mean['old'] - 1):.0f}% more tokens per second")
 
 
-def test_row_tiles_prose_quotes_their_runs():
-    """Notebook 07, the third row-tile attempt: the µs a launch quoted for the sums and the epilogues at 64 rows are
-    those of data/batch_rows_sums_ab_h200.json (both profiled versions)."""
-    runs = recorded("batch_rows_sums_ab_h200.json")["random_smollm2_weights"].values()
-    each = [{name: 1e3 * ms / n for name, n, ms in run["profile_64"]["kernels"]} for run in runs]
-    sums = [us for e in each for name, us in e.items() if name.startswith("split_k_rows_sums")]
-    epilogues = [us for e in each for name, us in e.items() if name.endswith("_epilogue")]
-    text = " ".join(markdown_cell("07", "## What is not done yet").split())  # the figures, whatever the line breaks
-    assert f"({min(epilogues):.1f} to {max(epilogues):.1f} µs)" in text
-    assert f"took {min(sums):.0f} to {max(sums):.0f} µs a launch at 64 rows" in text
+def test_tiles_prose_quotes_their_run():
+    """Notebook 07, the tile kernels of a batch: the step's GPU time and tokens/s before and after, the share of each
+    kind of kernel, and the fastest tile of each projection are those of data/batch_tiles_h200.json."""
+    run = recorded("batch_tiles_h200.json")
+    after = run["after"]["profile_64"]["kernels"]
+    ms = {what: sum(t for name, _, t in after if test(name)) for what, test in (
+        ("sums", lambda n: n.startswith("split_k_tile_sums")), ("epilogues", lambda n: n.endswith("_epilogue")),
+        ("attention", lambda n: n.startswith("flash_decode")), ("norms", lambda n: n.startswith("rms_norm")),
+        ("logits", lambda n: n == "matmul_transposed_rows"))}
+    [(_, sums_n, _)] = [k for k in after if k[0].startswith("split_k_tile_sums")]
+    tps = {when: next(r["tokens_per_s"] for r in run[when]["bench_batch"] if r["batch"] == 64)
+           for when in ("before", "after")}
+    text = " ".join(markdown_cell("07", "## Where the time goes now").split())
+    assert (f"takes {run['after']['profile_64']['gpu_ms']:.2f} ms of GPU time instead of "
+            f"{run['before']['profile_64']['gpu_ms']:.2f}") in text
+    assert f"decodes {tps['after']:,.0f} tokens/s instead of {tps['before']:,.0f}" in text
+    assert (f"take {ms['sums']:.2f} ms of the step's kernels ({1e3 * ms['sums'] / sums_n:.1f} µs a launch), their "
+            f"epilogues {ms['epilogues']:.2f} ms, attention {ms['attention']:.2f} ms, the norms {ms['norms']:.2f} ms "
+            f"and the logits {ms['logits']:.2f} ms") in text
+    before_logits = sum(t for name, _, t in run["before"]["profile_64"]["kernels"] if name.startswith("matmul_trans"))
+    assert f"{before_logits:.2f} ms in four launches" in text
+    tiles = [r for r in run["tiles_64_rows"]["us"] if r["launch_bounds"] == [256] and r["same_bits"]]
+    best = [min(r["us"] for r in tiles if r["shape"] == shape) for shape in ("qkv", "o", "gate_up", "down")]
+    text = " ".join(markdown_cell("07", "## What is not done yet").split())
+    assert f"takes {best[0]:.1f} µs (QKV), {best[1]:.1f} (O), {best[2]:.1f} (gate/up) and {best[3]:.1f} (down)" in text
+    assert all(r["same_bits"] for r in run["tiles_64_rows"]["us"])
+    ones = [r["tokens_per_s"] for r in run["batch_1_across_calls"]["runs"]]
+    assert len(ones) == 5 and f"batch 1 moved between {min(ones):.0f} and {max(ones):.0f} tokens/s" in text

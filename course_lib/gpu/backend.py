@@ -36,8 +36,9 @@ OP_CHOICES = {
     # a new, longer cache every pass, the old one copied into it | pages allocated once, rows written in place,
     # read by flash-decoding attention; intermediates recycled from pass to pass (notebooks 03, 04)
     "kv_cache": ("concat", "paged"),
-    # tied embeddings: transpose the table, then matmul | a . table^T read in place (notebook 02)
-    "logits": ("transpose", "transposed"),
+    # tied embeddings: transpose the table, then matmul | a . table^T read in place (notebook 02) | the same, each
+    # logit summed along K by one thread, tiles of many rows (a batch's: notebook 07)
+    "logits": ("transpose", "transposed", "rows"),
     # Q/K/V bias: added by its own kernel | added by the matmul's reduction (notebook 02)
     "bias": ("separate", "fused"),
     # the residual add after the O and down projections: its own kernel | in the matmul's reduction (notebook 05)
@@ -65,6 +66,9 @@ PAGED = NARROW | {"kv_cache": "paged"}
 # head's last block from two chunks of keys up, 1.30 against 1.40 ms per step at 200 keys; data/h200_kernel_notes.md)
 FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused"}
 ROW_DOT = FUSED | {"projection": "row_dot"}
+# the batched step (course_lib.batch.CudaBatch): a row's bits must not depend on the batch, and the transposed
+# kernel's team of lanes per logit does not tile over many rows
+BATCHED = FUSED | {"logits": "rows"}
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -81,9 +85,9 @@ def resolve_ops(ops: dict | None) -> dict:
         raise ValueError("a fused bias is added by the narrow matmul's reduction: use matmul='narrow' with it")
     if chosen["attention"] == "one_kernel" and chosen["kv_cache"] != "paged":
         raise ValueError("attention in one kernel is flash-decoding's: use kv_cache='paged' with it")
-    if chosen["norm"] == "fused" and chosen["logits"] != "transposed":
-        raise ValueError("a fused norm is computed by the logits' kernel too, the transposed one: use "
-                         "logits='transposed' with it")
+    if chosen["norm"] == "fused" and chosen["logits"] == "transpose":
+        raise ValueError("a fused norm is computed by the logits' kernel too, a transposed one: use "
+                         "logits='transposed' or 'rows' with it")
     for op in ("residual", "norm", "qkv", "swiglu"):
         if chosen[op] == "fused" and chosen["kv_cache"] != "paged":
             raise ValueError(f"a fused {op} is done by the split-K matmul, which only the paged cache's step uses "
@@ -236,10 +240,14 @@ class CudaBackend:
             x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw, "wo")
             x = self._add_linear(rt, x, self._mlp_inputs(rt, x, lw, T), lw, "w_down")
         rows = x if all_logits else x[T - 1:]  # the transposed kernel normalizes one row (a decode step's) itself
-        fits = w["lm_head"] is not None or (rows.shape[0] == 1 and c.d_model <= k_narrow.MAX_NORMED_K)
+        fits = w["lm_head"] is not None or (rows.shape[0] == 1 and c.d_model <= k_narrow.MAX_NORMED_K
+                                            and self.ops["logits"] == "transposed")
         h, norm = self._normed(rt, rows, w["final_norm"], name="h_final", fuse=fits)
         if w["lm_head"] is not None:
             return self._linear(rt, h, w["lm_head"], name="logits", norm=norm)
+        if self.ops["logits"] == "rows":
+            return k_narrow.matmul_transposed_rows(h, w["embed"], out=rt.empty((rows.shape[0], c.vocab_size),
+                                                                               name="logits"), rt=rt)
         if self.ops["logits"] == "transposed":
             return self._by_rows(rt, lambda rows, out: k_narrow.matmul_transposed(rows, w["embed"], out, rt=rt,
                                                                                   norm=norm), h, c.vocab_size,

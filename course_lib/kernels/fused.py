@@ -135,7 +135,7 @@ def _swiglu_store_for(group, bias_f32):
 # ---- kernels: split_k_block then an epilogue, one kernel per (rows, weight kind, ...) ----
 
 @functools.cache
-def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False):
+def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False, epilogue_only=False):
     width, load, prefetch = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
     store_kv = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}[np.dtype(kv_dtype)]
@@ -145,22 +145,28 @@ def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False)
         """[q | k | v] = RMSNorm(a) @ b (+ bias), RoPE, q stored, k and v written to the cache (rope_store).
         Grid (ceil(N / group), S, chunks of rows when chunked: narrow.rows_of_block), THREADS."""
         g, s = cuda.blockIdx.x, cuda.blockIdx.y
+        if epilogue_only:  # the slices' sums already in partial (narrow.tile_sums_kernel)
+            inputs_ready()
+            lo, hi, _ = nw.rows_of_block(q.shape[0], rows, done)
+            epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi], q[lo:hi])
+            return
         prefetch(g, s, a, b, partial)
         inputs_ready()
         if chunked:
-            lo, hi, counters = nw.rows_of_block(a.shape[0], done)
+            lo, hi, counters = nw.rows_of_block(a.shape[0], rows, done)
             if block(g, s, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
                 epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi],
                          q[lo:hi])
         elif block(g, s, a, gamma, eps, b, partial, done):
             epilogue(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q)
 
-    qkv_rope_split_k.__name__ = qkv_rope_split_k.__qualname__ = "qkv_rope_split_k" + ("_vec" if width > 1 else "")
+    qkv_rope_split_k.__name__ = qkv_rope_split_k.__qualname__ = ("qkv_rope_split_k" + ("_vec" if width > 1 else "")
+                                                                  + ("_epilogue" if epilogue_only else ""))
     return waits_for_inputs(cuda.jit(**nw.SPLIT_K_BOUNDS)(qkv_rope_split_k))
 
 
 @functools.cache
-def gate_up_kernel(rows, kind, bias, normed, chunked=False):
+def gate_up_kernel(rows, kind, bias, normed, chunked=False, epilogue_only=False):
     width, load, prefetch = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
     epilogue = _swiglu_store_for(32 * width, nw.BIAS_READERS[bias])
@@ -169,17 +175,22 @@ def gate_up_kernel(rows, kind, bias, normed, chunked=False):
         """out = silu(gate) * up of RMSNorm(a) @ W_gu (+ bias) (swiglu_store). Grid (ceil(2F / group), S, chunks
         of rows when chunked: narrow.rows_of_block), THREADS."""
         g, s = cuda.blockIdx.x, cuda.blockIdx.y
+        if epilogue_only:  # the slices' sums already in partial (narrow.tile_sums_kernel)
+            inputs_ready()
+            lo, hi, _ = nw.rows_of_block(out.shape[0], rows, done)
+            epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
+            return
         prefetch(g, s, a, b, partial)
         inputs_ready()
         if chunked:
-            lo, hi, counters = nw.rows_of_block(a.shape[0], done)
+            lo, hi, counters = nw.rows_of_block(a.shape[0], rows, done)
             if block(g, s, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
                 epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
         elif block(g, s, a, gamma, eps, b, partial, done):
             epilogue(g, partial, bias, out)
 
     gate_up_swiglu_split_k.__name__ = gate_up_swiglu_split_k.__qualname__ = (
-        "gate_up_swiglu_split_k" + ("_vec" if width > 1 else ""))
+        "gate_up_swiglu_split_k" + ("_vec" if width > 1 else "") + ("_epilogue" if epilogue_only else ""))
     return waits_for_inputs(cuda.jit(**nw.SPLIT_K_BOUNDS)(gate_up_swiglu_split_k))
 
 
@@ -208,8 +219,8 @@ def qkv_rope(x, w_qkv, bias, norm, cos, sin, positions, slots, q, k_table, v_tab
         raise ValueError(f"qkv_rope: x {x.shape}, w_qkv {w_qkv.shape}, q {q.shape}, k_table {k_table.shape}, "
                          f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}")
     width = _width(N, w_qkv, hd)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked: qkv_rope_kernel(
-                            rows, kind, bias_kind, normed, np.dtype(k_table.dtype), hd, chunked),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: qkv_rope_kernel(
+                            rows, kind, bias_kind, normed, np.dtype(k_table.dtype), hd, chunked, epilogue_only),
                         x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width)
     return q
 
@@ -222,8 +233,8 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
     if w_gu.shape[0] != x.shape[1] or out.shape != (T, N // 2) or N % (2 * PAIR):
         raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
     width = _width(N, w_gu, 2 * PAIR)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked: gate_up_kernel(rows, kind, bias_kind, normed,
-                                                                                       chunked),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: gate_up_kernel(
+                            rows, kind, bias_kind, normed, chunked, epilogue_only),
                         x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2)
     return out
 

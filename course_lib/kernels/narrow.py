@@ -1,4 +1,4 @@
-"""Matrix products for decoding: a few rows of activations (R <= 16) against big weights.
+"""Matrix products for decoding: a few rows of activations (a token's, or a batch's: up to 64) against big weights.
 
 The tiled matmul (matmul.py) spends 64-row tiles on one row and launches only N / 64 blocks. Here every weight
 is read once, by reads the memory system likes, and the grid is sized to fill the GPU.
@@ -19,13 +19,17 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel 
   The atomic only elects a block: the sums are always added in the same order, so the result is the same bit
   for bit from run to run, whichever block comes last. The bias is added there, for free (no bias kernel).
 A block sums at most KERNEL_ROWS rows (R x 8 running sums per thread: 16 rows would need more registers than 16
-warps can have). A launch of more rows (up to LAUNCH_ROWS, a multiple of KERNEL_ROWS: a batch's) has a third grid
-dimension, one chunk of KERNEL_ROWS rows per block (`rows_of_block`), each chunk with its own completion counters and
-its own elected blocks: the block of a chunk is exactly the block of a launch of those rows alone, and the blocks of
-every chunk, their sums and their additions of the slices spread over the GPU (the chunks' blocks read the same
-weights, from the L2 cache after the first). The rows left over past a multiple of KERNEL_ROWS get a launch of
-their own. A row's result therefore does not depend on R (the slices depend only on K and N, and each row is summed
-in the same order by the same geometry): one token alone, inside a prompt or inside a batch gets the same bits.
+warps can have). A launch of more rows (a batch's, up to LAUNCH_ROWS) takes two kernels. `split_k_tile_sums_vec`
+computes the slices' sums in tiles of rows x columns: the split-K block's order of additions is a specification
+(warp w sums the slice's rows k0 + w, k0 + w + WARPS, ... by FMAs from zero, the warps' sums are added in warp
+order), and a thread holding an output can follow it, walking the slice residue after residue with two registers
+per output (the residue's running sum, the total of the residues before it). Each weight staged in shared memory
+then serves the tile's 8 to 64 rows instead of 4. The epilogue (slices added in order, bias or residual, and the
+fused epilogues of kernels/fused) is a second launch, a block per (column group, KERNEL_ROWS rows). Without 16-byte
+loads, a launch of many rows has a block per chunk of KERNEL_ROWS rows (`rows_of_block`) calling the split-K block
+on its rows, each chunk with its own completion counters. A row's result therefore does not depend on R (the
+slices depend only on K and N, and each row's additions are made in the same order whatever the geometry): one
+token alone, inside a prompt or inside a batch gets the same bits.
 
 Transposed matmul, out[R, N] = a[R, K] @ b[N, K].T without copying b (tied-embedding logits: b is the [vocab, d]
 embedding table), in one kernel, `matmul_transposed_vec`: a team of 8 lanes per row n of b (a warp takes 4 rows
@@ -36,6 +40,10 @@ aligned arrays, `matmul_transposed_warps` reads one element per lane, one warp p
 of a themselves (the final norm inside the logits of a decode step): each block writes the normalized row into
 shared memory once and reads it from there.
 
+A batch's logits (`matmul_transposed_rows`) cannot follow the transposed kernel's order in tiles (a team of 8 lanes
+per logit, added by shuffles): there each logit is summed along K in order by one thread, for any number of rows, so
+the batched generator uses that kernel for every batch size and a sequence's logits do not depend on its batch.
+
 Kernels are built on first use by factories, one per (R, weight kind), and kept in a dict; weight kinds are
 "f32", "bf16" (one element per load) and "f32x8", "bf16x8" (eight per lane, 16-byte loads).
 """
@@ -43,7 +51,7 @@ Kernels are built on first use by factories, one per (R, weight kind), and kept 
 import functools
 
 import numpy as np
-from numba import float32
+from numba import float32, int32
 
 from course_lib.kernels import (
     SIMULATOR,
@@ -83,6 +91,17 @@ TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
 # two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
+TILE_THREADS = sized(256, 8)  # threads of a block of `tile_sums_kernel` (the slices' sums of a batch's rows)
+TILES = ((16, 4), (8, 2), (16, 2), (8, 1), (32, 2), (16, 1), (32, 1)) if not SIMULATOR else ((4, 4), (2, 2), (8, 1))
+# its tiles (TX, TM): TX thread columns of VEC columns, TILE_THREADS / TX thread rows of TM rows; the first whose
+# rows the launch fills and which gives it a block per two SMs (the fastest of the tiles for each of SmolLM2's
+# projections at 64 rows, data/batch_tiles_h200.json)
+TILE_BOUNDS = {} if SIMULATOR else {"launch_bounds": (TILE_THREADS,)}
+TILE_PIECE = sized(32, 64)  # rows of K a tile block stages in shared memory at a time, whole residues (the
+# simulator's 2 warps make residues of half a slice)
+ROWS_TILES = ((16, 4), (16, 2), (32, 1)) if not SIMULATOR else ((4, 2), (8, 1))  # (TX, TM) tiles of
+# matmul_transposed_rows, the largest first: taken when the rows fill at least half of it
+TILE_SLICE = WARPS * TILE_PIECE  # the longest slice of K a tile block takes: a residue fits in a piece
 NORMED_ROWS = 1  # the most rows a split-K block normalizes itself: with the norm inside, the kernel of 2 rows or more
 # needs more than the 128 registers a thread of 16 warps may have, and spills (ptxas, sm_90: 52 bytes a thread at 2
 # rows, over 400 at 4); a launch of more rows has rms_norm write them normalized first (the same bits)
@@ -218,15 +237,134 @@ def split_k_block_for(rows, width, load, normed):
     return split_k_block
 
 
+@functools.cache
+def tile_step_for(tm):
+    """The device function tile_step(ws, xs, t, u, r0, wv, acc) of the tile kernels: row t of K staged in shared
+    memory, acc[r, c] += xs[t, r0 + r] * ws[t, c, u] for this thread's tm rows and VEC columns (wv: a local
+    [VEC] for the weights), each sum one FMA further along K."""
+
+    @cuda.jit(device=True)
+    def tile_step(ws, xs, t, u, r0, wv, acc):
+        for c in range(VEC):
+            wv[c] = ws[t, c, u]
+        for r in range(tm):
+            x = xs[t, r0 + r]
+            for c in range(VEC):
+                acc[r, c] += x * wv[c]
+
+    return tile_step
+
+
+@functools.cache
+def tile_sums_for(tx, tm, load):
+    """The device function tile_sums(g, s, a, b, partial): slice s of K of a tile of a batch's rows, a [R, K] @
+    b [K, N] for the VEC tx columns of tile g and the rows of a (a chunk of at most TILE_THREADS // tx * tm rows),
+    into partial[s] [R, N], with the bits of split_k_sums (16-byte loads: load(b, k, v, per_row) gives the VEC
+    weights of row k, columns VEC v ..; no norm). The slice's residues must each fit in a piece (see below).
+
+    split_k_sums fixes the order of the additions of an output: warp w sums the slice's rows k0 + w, k0 + w +
+    WARPS, ... (its residue w) by FMAs from zero, then the warps' sums are added in warp order. Any geometry that
+    makes the same operations in the same order gets the same bits: here a block owns a tile of outputs, a thread
+    tm rows x VEC columns of it (columns u + tx c: a warp's stores are whole sectors), and walks the slice residue
+    after residue with two registers per output: `acc`, the running sum of the residue, and `total`, the residues
+    before it added in order. The slice order (residue 0's rows, then residue 1's, ...) is written once per block
+    in shared memory (`order`); the weights and activations of whole residues, at most TILE_PIECE rows, are staged
+    at a time, the next piece's loads in flight while the FMAs of this one run. Every weight staged serves the
+    tile's rows, every activation its columns: tm + VEC loads from shared memory for tm x VEC FMAs, and no test per
+    row of K (the residues' lengths are known)."""
+    rows, pitch = TILE_THREADS // tx * tm, TILE_THREADS // tx * tm + 1  # the tile's rows; xs's row: one longer, no
+    # bank conflicts
+    w_loads = TILE_PIECE * tx // TILE_THREADS  # the 16-byte loads of weights a thread stages per piece
+    x_loads = TILE_PIECE * rows // TILE_THREADS  # the activations
+    step = tile_step_for(tm)
+
+    @cuda.jit(device=True)
+    def fetch(p0, n, order, a, b, v0, per_row, wbuf, xbuf):
+        """This thread's loads of the n rows of slice order from position p0, into registers: weights
+        (tid + i TILE_THREADS = t tx + q: row order[p0 + t], group v0 + q), activations (= r TILE_PIECE + t: lanes
+        along a row of a); zeros past the piece, the columns or the rows."""
+        tid = cuda.threadIdx.x
+        for i in range(w_loads):
+            t, q = (tid + i * TILE_THREADS) // tx, (tid + i * TILE_THREADS) % tx
+            if t < n and v0 + q < per_row:
+                wts = load(b, order[p0 + t], v0 + q, per_row)
+                for c in range(VEC):
+                    wbuf[i, c] = wts[c]
+            else:
+                for c in range(VEC):
+                    wbuf[i, c] = float32(0)
+        for i in range(x_loads):
+            t, r = (tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE
+            xbuf[i] = a[r, order[p0 + t]] if t < n and r < a.shape[0] else float32(0)
+
+    @cuda.jit(device=True)
+    def tile_sums(g, s, a, b, partial):
+        order = cuda.shared.array(TILE_SLICE, dtype=int32)  # order[t]: the row of K at position t of slice order
+        ws = cuda.shared.array((TILE_PIECE, VEC, tx), dtype=float32)  # ws[t, c, u]: column u + tx c of the tile
+        xs = cuda.shared.array((TILE_PIECE, pitch), dtype=float32)  # xs[t, r] = a[r, order[t]]
+        acc = cuda.local.array((tm, VEC), dtype=float32)
+        total = cuda.local.array((tm, VEC), dtype=float32)
+        wv = cuda.local.array(VEC, dtype=float32)
+        wbuf = cuda.local.array((w_loads, VEC), dtype=float32)
+        xbuf = cuda.local.array(x_loads, dtype=float32)
+        R, K, N, S = a.shape[0], a.shape[1], partial.shape[2], partial.shape[0]
+        tid = cuda.threadIdx.x
+        u, r0 = tid % tx, (tid // tx) * tm  # this thread's columns of the tile are u + tx c; its first row r0
+        per_row, v0 = N // VEC, g * tx
+        k0 = s * K // S
+        L = (s + 1) * K // S - k0
+        m, rem = L // WARPS, L % WARPS  # residue w has m rows, one more when w < rem; it starts at w m + min(w, rem)
+        per_piece = TILE_PIECE // (m + (1 if rem > 0 else 0))  # the residues of a piece
+        if tid < WARPS:
+            for j in range(m + (1 if tid < rem else 0)):
+                order[tid * m + min(tid, rem) + j] = k0 + tid + WARPS * j
+        for r in range(tm):
+            for c in range(VEC):
+                acc[r, c] = float32(0)
+        cuda.syncthreads()
+        w1 = min(WARPS, per_piece)
+        fetch(0, w1 * m + min(w1, rem), order, a, b, v0, per_row, wbuf, xbuf)
+        for w0 in range(0, WARPS, per_piece):
+            w1 = min(WARPS, w0 + per_piece)
+            p0 = w0 * m + min(w0, rem)
+            cuda.syncthreads()  # the previous piece is used up
+            for i in range(w_loads):
+                t, q = (tid + i * TILE_THREADS) // tx, (tid + i * TILE_THREADS) % tx
+                for c in range(VEC):  # column VEC q + c of the tile: ws[t] holds the row in column order
+                    ws[t, (VEC * q + c) // tx, (VEC * q + c) % tx] = wbuf[i, c]
+            for i in range(x_loads):
+                xs[(tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE] = xbuf[i]
+            cuda.syncthreads()
+            if w1 < WARPS:  # the next piece's loads, in flight during this piece's FMAs
+                w2 = min(WARPS, w1 + per_piece)
+                p1 = w1 * m + min(w1, rem)
+                fetch(p1, w2 * m + min(w2, rem) - p1, order, a, b, v0, per_row, wbuf, xbuf)
+            for w in range(w0, w1):
+                t0 = w * m + min(w, rem) - p0
+                for t in range(t0, t0 + m + (1 if w < rem else 0)):
+                    step(ws, xs, t, u, r0, wv, acc)
+                for r in range(tm):  # residue w is whole: added into total as store_row adds the warps' sums (the
+                    for c in range(VEC):  # warps without rows add their zeros)
+                        total[r, c] = acc[r, c] if w == 0 else total[r, c] + acc[r, c]
+                        acc[r, c] = float32(0)
+        for r in range(tm):
+            if r0 + r < R:
+                for c in range(VEC):
+                    if VEC * v0 + u + tx * c < N:
+                        partial[s, r0 + r, VEC * v0 + u + tx * c] = total[r, c]
+
+    return tile_sums
+
+
 @cuda.jit(device=True)
-def rows_of_block(R, done):
+def rows_of_block(R, chunk, done):
     """(lo, hi, counters) in a launch with a block per chunk of rows: the rows lo .. hi - 1 of the launch's R rows
-    that this block sums, chunk blockIdx.z of KERNEL_ROWS rows (grid z: R / KERNEL_ROWS), and the chunk's own
+    that this block sums, chunk blockIdx.z of `chunk` rows (grid z: ceil(R / chunk)), and the chunk's own
     completion counters, one per column group, in `done` [groups x chunks]. A kernel of one chunk (a decode step's
     row) takes its arrays whole instead: a view of some rows of partial is strided, and costs every index of it more
     arithmetic and the kernel more registers."""
-    lo = cuda.blockIdx.z * KERNEL_ROWS
-    return lo, min(R, lo + KERNEL_ROWS), done[cuda.blockIdx.z * cuda.gridDim.x:]
+    lo = cuda.blockIdx.z * chunk
+    return lo, min(R, lo + chunk), done[cuda.blockIdx.z * cuda.gridDim.x:]
 
 
 @cuda.jit(device=True)
@@ -294,10 +432,11 @@ def store_group_for(group, bias_f32, accumulate):
 
 # ---- kernel factories: one kernel per (rows, weight kind) ----
 
-def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chunked):
+def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chunked, epilogue_only):
     """The split-K kernel: its weights asked of the L2 cache (prefetch), its inputs waited for (kernels/overlap.py),
     split_k_block then, in each group's last block, store_group (see the top); chunked: a block per chunk of rows
-    (rows_of_block)."""
+    (rows_of_block). epilogue_only: only store_group, a block per (group, chunk), the slices' sums already in
+    partial (tile_sums_kernel's)."""
     block = split_k_block_for(rows, width, load, normed)
     store = store_group_for(32 * width, bias_f32, accumulate)
 
@@ -306,19 +445,136 @@ def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chu
         accumulates; h = a, or RMSNorm(a) * gamma [K] (eps) when normed; through partial [S, R, N] and done
         (split_k_block), done [groups x chunks]. Grid (ceil(N / group), S, chunks of rows_of_block), THREADS."""
         g, s = cuda.blockIdx.x, cuda.blockIdx.y
+        if epilogue_only:
+            inputs_ready()
+            lo, hi, _ = rows_of_block(out.shape[0], rows, done)
+            store(g, partial[:, lo:hi], bias, out[lo:hi])
+            return
         prefetch(g, s, a, b, partial)
         inputs_ready()
         if chunked:
-            lo, hi, counters = rows_of_block(a.shape[0], done)
+            lo, hi, counters = rows_of_block(a.shape[0], rows, done)
             if block(g, s, a[lo:hi], gamma, eps, b, partial[:, lo:hi], counters):
                 store(g, partial[:, lo:hi], bias, out[lo:hi])
         elif block(g, s, a, gamma, eps, b, partial, done):
             store(g, partial, bias, out)
 
     name = ("matmul_split_k" + ("_norm" if normed else "") + ("_vec" if width == VEC else "")
-            + ("_add" if accumulate else ""))
+            + ("_add" if accumulate else "") + ("_epilogue" if epilogue_only else ""))
     matmul_split_k.__name__ = matmul_split_k.__qualname__ = name  # the name profiles and tests see
     return waits_for_inputs(cuda.jit(**SPLIT_K_BOUNDS)(matmul_split_k))
+
+
+@functools.cache
+def tile_sums_kernel(tile, kind):
+    """The kernel of tile_sums_for for a tile (tx, tm) of TILES and weight kind "f32x8" or "bf16x8": the slices' sums
+    of a batch's rows into partial, a block per (tile of columns, slice, chunk of rows); the epilogue is another
+    launch (epilogue_only)."""
+    tx, tm = tile
+    _, load, _ = SPLIT_K_LOADS[kind]
+    units = 2 if kind == "f32x8" else 1  # 16-byte units per VEC weights
+    sums = tile_sums_for(tx, tm, load)
+    rows = TILE_THREADS // tx * tm
+
+    def split_k_tile_sums(a, b, partial):
+        """partial[s, r, n] = the sum over slice s of K of a [R, K] @ b [K, N], added as split_k_sums adds. Grid
+        (ceil(N / (VEC tx)), S, ceil(R / rows)), TILE_THREADS."""
+        g, s, lo = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z * rows
+        K, S, per_row = a.shape[1], partial.shape[0], partial.shape[2] // VEC
+        if cuda.blockIdx.z == 0:  # the slice's weights asked of the L2 cache (the other chunks read them there)
+            k0, k1 = s * K // S, (s + 1) * K // S
+            for e in range(cuda.threadIdx.x, (k1 - k0) * tx, TILE_THREADS):
+                k, v = k0 + e // tx, g * tx + e % tx
+                if v < per_row:
+                    prefetch_l2(b, units * (k * per_row + v))
+        inputs_ready()
+        hi = min(a.shape[0], lo + rows)
+        sums(g, s, a[lo:hi], b, partial[:, lo:hi])
+
+    split_k_tile_sums.__name__ = split_k_tile_sums.__qualname__ = "split_k_tile_sums_vec"
+    return waits_for_inputs(cuda.jit(**TILE_BOUNDS)(split_k_tile_sums))
+
+
+def tile_rows(tile) -> int:
+    """Rows of a tile (tx, tm) of tile_sums_kernel."""
+    return TILE_THREADS // tile[0] * tile[1]
+
+
+@functools.cache
+def transposed_rows_kernel(tile, kind):
+    """matmul_transposed_rows's kernel for a tile (tx, tm) of ROWS_TILES and weight kind "bf16x8" or "f32x8":
+    out[r, n] = a[r, :] . b[n, :], each output summed by one thread along K in order from zero, so that its bits do
+    not depend on the tile: any number of rows gets every row's bits. A block owns TILE_THREADS // tx * tm rows of a
+    and VEC tx rows of b (grid: ceil(N / (VEC tx)), ceil(R / rows)); a thread tm rows x VEC rows of b (u + tx c, so
+    that a warp's stores are whole sectors). TILE_PIECE columns of K of both are staged at a time in shared memory,
+    the next piece's loads in flight while this one's FMAs run: tm + VEC loads from shared memory for tm x VEC FMAs."""
+    tx, tm = tile
+    load8 = bf16x8 if kind == "bf16x8" else f32x8
+    rows, cols = TILE_THREADS // tx * tm, VEC * tx
+    pitch, groups = rows + 1, TILE_PIECE // VEC  # xs's row (one longer: no bank conflicts); 16-byte groups a piece
+    w_loads, x_loads = cols * groups // TILE_THREADS, TILE_PIECE * rows // TILE_THREADS
+    step = tile_step_for(tm)
+
+    @cuda.jit(device=True)
+    def fetch(k0, n0, a, words, N, wbuf, xbuf):
+        """This thread's loads of the piece of K from k0 into registers: weights (tid + i TILE_THREADS = n groups +
+        j: group j of the piece in row n0 + n of b), activations (= r TILE_PIECE + t: lanes along a row of a);
+        zeros past K and past the rows of a and b."""
+        tid = cuda.threadIdx.x
+        R, K = a.shape[0], a.shape[1]
+        for i in range(w_loads):
+            n, j = (tid + i * TILE_THREADS) // groups, (tid + i * TILE_THREADS) % groups
+            if k0 + VEC * j < K and n0 + n < N:
+                w = load8(words, (n0 + n) * (K // VEC) + k0 // VEC + j)
+                for c in range(VEC):
+                    wbuf[i, c] = w[c]
+            else:
+                for c in range(VEC):
+                    wbuf[i, c] = float32(0)
+        for i in range(x_loads):
+            t, r = (tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE
+            xbuf[i] = a[r, k0 + t] if k0 + t < K and r < R else float32(0)
+
+    def matmul_transposed_rows(a, words, out):
+        """out [R, N] = a [R, K] @ b [N, K].T, b seen as its flat uint32 words. Grid (ceil(N / (VEC tx)),
+        ceil(R / rows)), TILE_THREADS."""
+        ws = cuda.shared.array((TILE_PIECE, VEC, tx), dtype=float32)  # ws[t, c, u] = b[n0 + u + tx c, k0 + t]
+        xs = cuda.shared.array((TILE_PIECE, pitch), dtype=float32)  # xs[t, r] = a[r, k0 + t]
+        acc = cuda.local.array((tm, VEC), dtype=float32)
+        wv = cuda.local.array(VEC, dtype=float32)
+        wbuf = cuda.local.array((w_loads, VEC), dtype=float32)
+        xbuf = cuda.local.array(x_loads, dtype=float32)
+        R, K, N = a.shape[0], a.shape[1], out.shape[1]
+        tid = cuda.threadIdx.x
+        u, r0 = tid % tx, (tid // tx) * tm
+        n0, lo = cuda.blockIdx.x * cols, cuda.blockIdx.y * rows
+        chunk = a[lo:min(R, lo + rows)]
+        for r in range(tm):
+            for c in range(VEC):
+                acc[r, c] = float32(0)
+        inputs_ready()
+        fetch(0, n0, chunk, words, N, wbuf, xbuf)
+        for k0 in range(0, K, TILE_PIECE):
+            cuda.syncthreads()  # the previous piece is used up
+            for i in range(w_loads):
+                n, j = (tid + i * TILE_THREADS) // groups, (tid + i * TILE_THREADS) % groups
+                for c in range(VEC):
+                    ws[VEC * j + c, n // tx, n % tx] = wbuf[i, c]
+            for i in range(x_loads):
+                xs[(tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE] = xbuf[i]
+            cuda.syncthreads()
+            if k0 + TILE_PIECE < K:  # the next piece's loads, in flight during this piece's FMAs
+                fetch(k0 + TILE_PIECE, n0, chunk, words, N, wbuf, xbuf)
+            for t in range(min(TILE_PIECE, K - k0)):
+                step(ws, xs, t, u, r0, wv, acc)
+        for r in range(tm):
+            if lo + r0 + r < R:
+                for c in range(VEC):
+                    if n0 + u + tx * c < N:
+                        out[lo + r0 + r, n0 + u + tx * c] = acc[r, c]
+
+    matmul_transposed_rows.__name__ = matmul_transposed_rows.__qualname__ = "matmul_transposed_rows"
+    return waits_for_inputs(cuda.jit(**TILE_BOUNDS)(matmul_transposed_rows))
 
 
 @cuda.jit(device=True)
@@ -462,19 +718,20 @@ _TRANSPOSED = {
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked) -> kernel, built on first use
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked, epilogue_only) -> kernel
 
 
 def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,
-               chunked: bool = False):
+               chunked: bool = False, epilogue_only: bool = False):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
-    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`; built and cached on first
-    use."""
-    key = (family, kind, rows, bias, accumulate, normed, chunked)
+    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, only the epilogue when
+    `epilogue_only`; built and cached on first use."""
+    key = (family, kind, rows, bias, accumulate, normed, chunked, epilogue_only)
     if key not in _KERNELS:
         if family == "split_k":
-            _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked)
+            _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked,
+                                          epilogue_only)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows, normed)
     return _KERNELS[key]
@@ -533,32 +790,41 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     if accumulate and out is None:
         raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    split_k_launches(lambda rows, kind, bias_kind, normed, chunked: kernel_for("split_k", kind, rows, bias_kind,
-                                                                              accumulate, normed, chunked),
+    split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: kernel_for(
+                         "split_k", kind, rows, bias_kind, accumulate, normed, chunked, epilogue_only),
                      a, b, bias, norm, (), (out,), stream, rt)
     return out
 
 
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
-    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked)[grid, THREADS](a[part], gamma, eps, weights,
-    bias, partial, done, *fixed, *(x[part] for x in sliced)), for R <= KERNEL_ROWS one launch of R rows, else
-    launches of up to LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, with a block per chunk of KERNEL_ROWS rows (grid
-    (groups, S, chunks), chunked), and one of the rows left. A norm is computed by the kernel for at most
-    NORMED_ROWS rows, else by rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns
-    per lane, or None for VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k
-    sets the slices (N by default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See
-    matmul_narrow for bias and norm."""
+    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked, epilogue_only)[grid, THREADS](a[part], gamma,
+    eps, weights, bias, partial, done, *fixed, *(x[part] for x in sliced)).
+    - R <= KERNEL_ROWS: one launch of R rows.
+    - More, with 16-byte loads (a batch's rows): launches of up to LAUNCH_ROWS rows, each two kernels: the slices'
+      sums of tiles of rows and columns (tile_sums_kernel, each weight read once per tile of rows; the largest tile
+      of TILES that still gives a block per SM), then the epilogue, a block per (group, KERNEL_ROWS rows)
+      (epilogue_only): in one kernel the last block of a tile would add its rows x columns x S slices alone, after
+      all the others.
+    - More, one element per load (or slices longer than TILE_SLICE): launches of up to LAUNCH_ROWS rows, a multiple
+      of KERNEL_ROWS, a block per chunk of KERNEL_ROWS rows (grid (groups, S, chunks), chunked), then one launch of
+      the rows left.
+    Every row gets the bits it gets alone. A norm is computed by the kernel for at most NORMED_ROWS rows, else by
+    rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns per lane, or None for
+    VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by
+    default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias
+    and norm."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
     kind = weight_kind(b, vector=width == VEC)
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
-    parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, then the rest
+    tiles = width == VEC and -(-K // slices) <= TILE_SLICE  # many rows by tile_sums_kernel (a residue in a piece)
+    parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows (a multiple of KERNEL_ROWS without tiles), then the rest
     while R - lo > KERNEL_ROWS:
         n = min(R - lo, LAUNCH_ROWS)
-        parts.append((lo, lo + n - n % KERNEL_ROWS))
+        parts.append((lo, lo + (n if tiles else n - n % KERNEL_ROWS)))
         lo = parts[-1][1]
     if lo < R:
         parts.append((lo, R))
@@ -575,9 +841,21 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     gamma, eps = norm_args(norm, K)
     for lo, hi in parts:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
-        launch(kernel_of(min(hi - lo, KERNEL_ROWS), kind, bias_kind, norm is not None, hi - lo > KERNEL_ROWS),
-               (groups, slices, -(-(hi - lo) // KERNEL_ROWS)), THREADS, stream, rt, a_rows, gamma, eps, weights, bias,
-               partial, done, *fixed, *rest)
+        n, args = hi - lo, (a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
+        if n <= KERNEL_ROWS:
+            launch(kernel_of(n, kind, bias_kind, norm is not None, False, False), (groups, slices, 1), THREADS,
+                   stream, rt, *args)
+        elif tiles:
+            filled = [t for t in TILES if tile_rows(t) <= n] or [TILES[-1]]
+            tile = next((t for t in filled if 2 * -(-N // (VEC * t[0])) * slices * -(-n // tile_rows(t)) >= sm_count()),
+                        filled[-1])
+            launch(tile_sums_kernel(tile, kind), (-(-N // (VEC * tile[0])), slices, -(-n // tile_rows(tile))),
+                   TILE_THREADS, stream, rt, a_rows, weights, partial[:, :n])
+            launch(kernel_of(KERNEL_ROWS, kind, bias_kind, False, True, True), (groups, 1, -(-n // KERNEL_ROWS)),
+                   THREADS, stream, rt, *args)
+        else:
+            launch(kernel_of(KERNEL_ROWS, kind, bias_kind, norm is not None, True, False),
+                   (groups, slices, n // KERNEL_ROWS), THREADS, stream, rt, *args)
 
 
 def norm_args(norm, K: int):
@@ -624,4 +902,23 @@ def matmul_transposed(a, b, out=None, stream=0, rt=None, norm=None):
                words(b), out)
     else:
         launch(kernel, _transposed_blocks(N, T_WARPS), T_THREADS, stream, rt, a, gamma, eps, b, out)
+    return out
+
+
+def matmul_transposed_rows(a, b, out=None, stream=0, rt=None):
+    """a [R, K] float32 @ b [N, K].T, b float32 or bf16 (uint16) read in place with 16-byte loads (K % 8 == 0) ->
+    out [R, N] float32, for any R (a batch's logits: b is the embedding table), by transposed_rows_kernel: each
+    output summed by one thread along K in order, so a row gets the same bits whatever R; the tile the largest of
+    ROWS_TILES whose rows the batch fills at least half of."""
+    (R, K), (N, K2) = a.shape, b.shape
+    if K != K2 or K % VEC or not (aligned16(a) and aligned16(b)):
+        raise ValueError(f"matmul_transposed_rows: a is {a.shape}, b is {b.shape}: expected [N, {K}], K a multiple of "
+                         f"{VEC}, both C-contiguous and 16-byte aligned")
+    if out is not None and out.shape != (R, N):
+        raise ValueError(f"matmul_transposed_rows: out is {out.shape}, expected {(R, N)}")
+    tile = next((t for t in ROWS_TILES if 2 * R >= tile_rows(t)), ROWS_TILES[-1])
+    out = empty((R, N), np.float32, stream, rt) if out is None else out
+    launch(transposed_rows_kernel(tile, weight_kind(b, vector=True)), (-(-N // (VEC * tile[0])),
+                                                                       -(-R // tile_rows(tile))),
+           TILE_THREADS, stream, rt, a, words(b), out)
     return out
