@@ -76,7 +76,7 @@ from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
 KERNEL_ROWS = 4  # rows a split-K block sums: more would not fit the registers of 16 warps (65,536 per SM); a launch
-# of more rows has a block per chunk of KERNEL_ROWS rows (grid z)
+# of more rows sums its slices in tiles (tile_sums_kernel), or without 16-byte loads a block per KERNEL_ROWS rows
 LAUNCH_ROWS = 64  # rows of a launch at most (a multiple of KERNEL_ROWS): a batch of 64 sequences in one launch per
 # projection, and the partial sums of a long prefill bounded ([S, 64, N])
 THREADS = 32 * WARPS
