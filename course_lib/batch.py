@@ -15,7 +15,11 @@ seed at its own position (kernels.sampling), and its rows get the bits they get 
 cache (`PagedSequence`). The CUDA backend (`CudaBatch`) runs one decode pass for all the running sequences, recorded
 once per bucket of batch sizes and replayed as a CUDA graph (gpu.plan.BatchPlan): their rows side by side in every
 matmul, so that each weight read serves them all (the split-K kernels sum a row the same way whatever the number of
-rows), and attention in one launch, each row through its own sequence's page table.
+rows), and attention in one launch, each row through its own sequence's page table. Its steps are pipelined: the
+host queues step k + 1 before it reads the tokens of step k, each row of k + 1 fed the token its sequence's row of k
+chose, still on the device; the host's bookkeeping (the next step's inputs, the tokens taken, the sequences
+finished) then runs while the GPU computes, not between its steps. A sequence that step k ends (a stop token) has
+computed one row of k + 1 for nothing, which is thrown away.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from . import reference
 from .device import gpu_available
 from .generate import Generation, TextStream, check_request, prompt_ids
 from .gpu.kv_cache import PAGE_SIZE, PagedKVCache
-from .kernels import SIMULATOR
-from .kernels.sampling import NO_TOKEN, device_settings, sample, sample_batch
+from .kernels import SIMULATOR, cuda
+from .kernels.sampling import NO_TOKEN, device_settings, feed, sample, sample_batch
 from .model.loading import Model
 
 
@@ -86,6 +90,13 @@ class Sequence:
     times: list[float] = field(default_factory=list)  # wall clock of each token
     stop_reason: str | None = None  # set when finished
     preemptions: int = 0
+    in_flight: int = 0  # decode steps queued for it whose tokens are not taken yet
+
+    @property
+    def continues(self) -> bool:
+        """Whether it needs another decode step, as far as the host knows: not stopped, and its tokens, those
+        taken and those in flight, short of max_new_tokens."""
+        return self.stop_reason is None and len(self.tokens) + self.in_flight < self.max_new_tokens
 
     def pages_to_run(self, page_size: int) -> int:
         """Pages the sequence needs to compute what it has and one more position."""
@@ -145,31 +156,41 @@ class Scheduler:
         seq.kv.free()
         seq.kv = None
 
+    def short_of_pages(self) -> bool:
+        """Whether the running sequences that go on need more new pages than are free (make_room would preempt)."""
+        return self._pages_short() > self.cache.free_pages
+
     def _pages_short(self) -> int:
-        """New pages the running sequences need for one more position each: one for each whose pages are full."""
-        return sum(s.kv.reserved % self.cache.page_size == 0 for s in self.running)
+        """New pages the running sequences that go on need for one more position each: one for each whose pages are
+        full."""
+        return sum(s.continues and s.kv.reserved % self.cache.page_size == 0 for s in self.running)
 
 
 class Runner:
     """What the scheduler's loop drives: a cache shared by the sequences, forward(seq, ids) (the logits [1, V] of
     the last of `ids`, the sequence's next positions), sample(seqs, logits) (their next tokens, each with its own
-    settings at its own position) and decode(seqs) (one decode step of each: their next tokens; by default
-    sample(step(seqs)), step giving the logits [T, V]), and from those prefill(seq) and recompute(seq)."""
+    settings at its own position), and from those prefill(seq) and recompute(seq); and the decode steps, pipelined:
+    start(seqs, feeds) queues one step of each sequence at its next slot and returns a handle, collect(handle) gives
+    the step's tokens once it has ended. The loop starts step k + 1 before it collects step k: feeds[i] >= 0 says
+    that sequence i is fed the token that row feeds[i] of step k chose (the host has not seen it yet), -1 its last
+    token. decode(seqs): one step, each fed its last token, waited for."""
 
     cache: PagedKVCache
 
     def forward(self, seq: Sequence, ids: list[int]):
         raise NotImplementedError
 
-    def step(self, seqs: list[Sequence]):
-        raise NotImplementedError
-
     def sample(self, seqs: list[Sequence], logits) -> list[int]:
         raise NotImplementedError
 
+    def start(self, seqs: list[Sequence], feeds: list[int]):
+        raise NotImplementedError
+
+    def collect(self, handle) -> list[int]:
+        raise NotImplementedError
+
     def decode(self, seqs: list[Sequence]) -> list[int]:
-        """One decode step of every sequence: their next tokens."""
-        return self.sample(seqs, self.step(seqs))
+        return self.collect(self.start(seqs, [-1] * len(seqs)))
 
     def recompute(self, seq: Sequence):
         """Compute the sequence from the start as it was first computed: its prompt in one pass, then each of its
@@ -187,22 +208,33 @@ class Runner:
 
 class NumpyBatch(Runner):
     """The NumPy reference over several sequences sharing one paged cache of host arrays (the layout of
-    course_lib.gpu.kv_cache.PagedKVCache), a sequence at a time."""
+    course_lib.gpu.kv_cache.PagedKVCache), a sequence at a time. Its steps are computed when started; it keeps the
+    tokens of the last one to feed the next (kernels.sampling.feed, the twin of the GPU's), so that the loop runs
+    the same pipelined schedule on it as on the GPU."""
 
     def __init__(self, model: Model, pages: int, max_len: int, page_size: int = PAGE_SIZE):
         self.model = model
         self.cache = PagedKVCache(model.config, pages, page_size, max_len=max_len, host=True)
         self.rope = reference.rope_tables(model.config, max_len)
+        self.chosen = np.zeros(0, np.int32)  # the tokens of the last step started
 
     def forward(self, seq: Sequence, ids: list[int]) -> np.ndarray:
         seq.kv.reserve(len(ids))
         return reference.forward(self.model.weights, self.model.config, np.asarray(ids), seq.kv, self.rope)[None]
 
-    def step(self, seqs: list[Sequence]) -> np.ndarray:
-        return np.concatenate([self.forward(seq, [seq.tokens[-1]]) for seq in seqs])
-
     def sample(self, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
-        return [sample(row, *seq.sampling, position=seq.next_position) for seq, row in zip(seqs, logits, strict=True)]
+        """Each sequence's token at the position after those it has computed (seq.kv.reserved)."""
+        return [sample(row, *seq.sampling, position=seq.kv.reserved) for seq, row in zip(seqs, logits, strict=True)]
+
+    def start(self, seqs: list[Sequence], feeds: list[int]) -> list[int]:
+        sent = np.array([seq.tokens[-1] if f < 0 else 0 for seq, f in zip(seqs, feeds, strict=True)], np.int32)
+        fed = feed(sent, np.array(feeds, np.int32), self.chosen)
+        logits = np.concatenate([self.forward(seq, [int(t)]) for seq, t in zip(seqs, fed, strict=True)])
+        self.chosen = np.array(self.sample(seqs, logits), np.int32)
+        return self.chosen.tolist()
+
+    def collect(self, handle: list[int]) -> list[int]:
+        return handle
 
 
 class CudaBatch(Runner):
@@ -218,8 +250,9 @@ class CudaBatch(Runner):
 
     PADDING = "padding rows"
 
-    def __init__(self, model: Model, pages: int, max_len: int, weights: str = "bf16"):
+    def __init__(self, model: Model, pages: int, max_len: int, weights: str = "bf16", max_running: int = 64):
         from .gpu.backend import BATCHED, CudaBackend
+        from .gpu.plan import bucket
 
         self.model = model
         self.backend = CudaBackend(model, max_len, weights=weights, ops=BATCHED, pages=pages + 1)
@@ -228,6 +261,9 @@ class CudaBatch(Runner):
         self.cache.add(self.PADDING, 1)
         self.pad_slot = int(self.cache.slots(self.PADDING, 1)[0])
         self.plans = {}  # rows -> BatchPlan, recorded on first use
+        # the ids each step chooses, in the rows of its bucket: shared by the plans (a step may feed a row the token of
+        # a row of the step before it, whatever their buckets)
+        self.chosen = cuda.device_array(bucket(max_running), np.int32)
         self._settings = {}  # sequence index -> its sampling settings as the kernels read them
 
     def forward(self, seq: Sequence, ids: list[int]):
@@ -244,25 +280,31 @@ class CudaBatch(Runner):
         return sample_batch(logits, [seq.sampling for seq in seqs], [seq.next_position for seq in seqs],
                             rt=self.backend.rt).tolist()
 
-    def decode(self, seqs: list[Sequence]) -> list[int]:
-        """One step of the running sequences through the plan of their bucket (gpu.plan.bucket): each fed its last
-        token at its next slot."""
+    def start(self, seqs: list[Sequence], feeds: list[int]):
+        """Queue one step of the sequences through the plan of their bucket (gpu.plan.bucket), each at its next
+        slot, fed its last token, or (feeds[i] >= 0) the token row feeds[i] of the step queued before chose."""
         from .gpu.plan import BatchPlan, bucket
 
+        if len(seqs) > self.chosen.shape[0]:
+            raise ValueError(f"{len(seqs)} sequences in one step, more than max_running ({self.chosen.shape[0]})")
         rows = bucket(len(seqs))
         plan = self.plans.get(rows)
         if plan is None:
-            plan = self.plans[rows] = BatchPlan(self.backend, rows, self.pad_slot, overlap=True)
+            plan = self.plans[rows] = BatchPlan(self.backend, rows, self.pad_slot, self.chosen, overlap=True)
         inputs = []
-        for seq in seqs:
+        for seq, source in zip(seqs, feeds, strict=True):
             position = seq.kv.reserved
             seq.kv.reserve(1)
             settings = self._settings.get(seq.index)
             if settings is None:
                 settings = self._settings[seq.index] = device_settings(*seq.sampling)
-            inputs.append((seq.tokens[-1], position, seq.kv.rows[position], self.cache.pages_of(seq.index),
-                           settings))
-        return plan.decode(inputs, graph=not SIMULATOR)
+            inputs.append((seq.tokens[-1] if source < 0 else 0, position, seq.kv.rows[position],
+                           self.cache.pages_of(seq.index), settings, source))
+        return plan, plan.start(inputs, graph=not SIMULATOR)
+
+    def collect(self, handle) -> list[int]:
+        plan, queued = handle
+        return plan.collect(queued)
 
 
 def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,
@@ -312,23 +354,39 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
         pages = sum(sorted(-(-(len(s.prompt_ids) + max_new_tokens) // PAGE_SIZE) for s in seqs)[-max_running:])
     longest = max(len(s.prompt_ids) + max_new_tokens for s in seqs)  # the longest sequence: it sizes the grids
     if backend == "cuda" or (backend == "auto" and gpu_available()):
-        runner, name = CudaBatch(model, pages, longest), "cuda (fused step, graph per batch size, continuous batching)"
+        runner = CudaBatch(model, pages, longest, max_running=min(max_running, len(seqs)))
+        name = "cuda (fused step, graph per batch size, continuous batching, pipelined steps)"
     else:
         runner, name = NumpyBatch(model, pages, longest), "numpy (continuous batching)"
     return _continuous(model, seqs, runner, name, max_running, on_finish, on_step)
 
 
 def _continuous(model, seqs, runner, name, max_running, on_finish, on_step) -> list[Generation]:
-    """The scheduler's loop: admit and prefill, one decode step for all, finish, repeat."""
+    """The scheduler's loop: admit and prefill, queue one decode step for all, take the tokens of the step before,
+    finish, repeat."""
     scheduler = Scheduler(runner.cache, max_running)
     scheduler.waiting.extend(seqs)
     results: dict[int, Generation] = {}
+    queued = None  # the step queued and not collected: (its sequences, the runner's handle)
 
     def done(seq):
         scheduler.finish(seq)
         results[seq.index] = _generation(model, seq, name)
         if on_finish is not None:
             on_finish(seq.index, results[seq.index])
+
+    def collect(step):
+        """Take the tokens of a queued step; a sequence that ended before it (its row computed for nothing) takes
+        none. Then finish the sequences that ended."""
+        if step is None:
+            return
+        stepped, handle = step
+        for seq, token in zip(stepped, runner.collect(handle), strict=True):
+            seq.in_flight -= 1
+            if seq.stop_reason is None:
+                seq.take(token, time.perf_counter())
+        for seq in [s for s in scheduler.running if s.stop_reason]:
+            done(seq)
 
     while scheduler.waiting or scheduler.running:
         for seq in scheduler.admit():
@@ -340,16 +398,22 @@ def _continuous(model, seqs, runner, name, max_running, on_finish, on_step) -> l
                 seq.take(runner.prefill(seq), time.perf_counter())
         for seq in [s for s in scheduler.running if s.stop_reason]:
             done(seq)
-        if not scheduler.running:  # all ended at their prefill: admit the next ones
-            continue
-        scheduler.make_room()
-        running = list(scheduler.running)
-        if on_step is not None:
-            on_step([seq.index for seq in running])
-        for seq, token in zip(running, runner.decode(running), strict=True):
-            seq.take(token, time.perf_counter())
-        for seq in [s for s in scheduler.running if s.stop_reason]:
-            done(seq)
+        if scheduler.short_of_pages():  # preempt only sequences with no token in flight
+            collect(queued)
+            queued = None
+            scheduler.make_room()
+        stepping = [s for s in scheduler.running if s.continues]
+        step = None
+        if stepping:
+            rows = {} if queued is None else {seq.index: r for r, seq in enumerate(queued[0])}
+            feeds = [rows[seq.index] if seq.in_flight else -1 for seq in stepping]
+            if on_step is not None:
+                on_step([seq.index for seq in stepping])
+            step = (stepping, runner.start(stepping, feeds))
+            for seq in stepping:
+                seq.in_flight += 1
+        collect(queued)
+        queued = step
     return [results[s.index] for s in seqs]
 
 

@@ -93,14 +93,18 @@ def test_each_sequence_reported_as_it_ends(tiny):
     assert all(outs[i] is o for i, o in ended)
 
 
-def test_stop_tokens_end_a_sequence(tiny):
+@pytest.mark.parametrize("backend", ["numpy", "cuda"])
+def test_stop_tokens_end_a_sequence(tiny, backend):
     """A sequence that meets an end token stops there, the token kept in its ids and out of its text; the other
-    goes on."""
-    greedy = alone(tiny, PROMPTS[:2], max_new_tokens=8, stop=False)
+    goes on. The steps are pipelined: the ending sequence's row of the step queued after its end token was
+    computed for nothing, and thrown away (on the GPU: each row of a step fed, on the device, the token its
+    sequence's row of the step before chose)."""
+    greedy = alone(tiny if backend == "numpy" else as_computed(tiny, "bf16"), PROMPTS[:2], max_new_tokens=8,
+                   stop=False)
     end = greedy[0][3]
     tokenizer = copy.copy(tiny.tokenizer)
     tokenizer.stop_ids = frozenset([end])
-    outs = generate_batch(dataclasses.replace(tiny, tokenizer=tokenizer), PROMPTS[:2], backend="numpy",
+    outs = generate_batch(dataclasses.replace(tiny, tokenizer=tokenizer), PROMPTS[:2], backend=backend,
                           max_new_tokens=8)
     assert outs[0].token_ids == greedy[0][:greedy[0].index(end) + 1] and outs[0].stop_reason == "stop_token"
     assert outs[0].text == tiny.tokenizer.decode(outs[0].token_ids[:-1])
@@ -184,9 +188,9 @@ def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny, monk
     from course_lib.batch import CudaBatch
 
     steps = []
-    decode = CudaBatch.decode
-    monkeypatch.setattr(CudaBatch, "decode", lambda self, seqs: (decode(self, seqs),
-                                                                 steps.append((len(seqs), max(self.plans))))[0])
+    start = CudaBatch.start
+    monkeypatch.setattr(CudaBatch, "start", lambda self, seqs, feeds: (start(self, seqs, feeds),
+                                                                       steps.append((len(seqs), max(self.plans))))[0])
     prompts, kw = [list(range(1, 16)), "Hi", [7]], dict(max_new_tokens=3, stop=False)
     outs = generate_batch(tiny, prompts, backend="cuda", pages=3, **kw)
     assert steps[0] == (3, 4) and outs[2].preemptions == 1 and "continuous batching" in outs[0].backend

@@ -293,6 +293,23 @@ def test_sampler_kernel_equals_its_twin(rng, temperature, top_k, top_p):
             sampling.sample(logits, temperature, top_k, top_p, seed, position)
 
 
+def test_feed_tokens_feeds_each_row_the_token_its_source_chose(rng):
+    """feed_tokens (the first kernel of a pipelined batched step): a row with a source row takes the token that row
+    chose (0 for NO_TOKEN), the others keep the token the host sent; the NumPy twin gives the same ids. 70 rows: more
+    than one block."""
+    T, R = 70, 64
+    sent = rng.integers(0, 49152, T).astype(np.int32)
+    sources = np.where(rng.random(T) < 0.7, rng.integers(0, R, T), -1).astype(np.int32)
+    chosen = rng.integers(0, 49152, R).astype(np.int32)
+    chosen[sources[sources >= 0][0]] = sampling.NO_TOKEN
+    tokens = dev(sent)
+    sampling.feed_tokens[2, 64](tokens, dev(sources), dev(chosen))
+    want = sampling.feed(sent, sources, chosen)
+    assert tokens.copy_to_host().tolist() == want.tolist()
+    assert (want[sources < 0] == sent[sources < 0]).all() and 0 in want[sources >= 0]
+    assert (want[sources >= 0] == np.where(chosen == sampling.NO_TOKEN, 0, chosen)[sources[sources >= 0]]).all()
+
+
 def test_sample_batch_draws_each_rows_token(rng):
     """sample_batch (one block per row, each row its own settings and position) gives every row the twin's token:
     greedy, sampled with top-k or top-p, and a row with a NaN (NO_TOKEN); the output poisoned first."""
@@ -596,6 +613,7 @@ jobs = [
     ("attention_two_pass", attention.attention_two_pass, f"void({F3}, {F3}, {F3}, {I1}, float32, {F3})"),
     ("sample_next", sampling.sample_next, f"void({F1}, uint64[::1], float64[::1], int64[::1], {I1}, {I1}, {I1}, "
      f"{I1}, int64, {I1})"),
+    ("feed_tokens", sampling.feed_tokens, f"void({I1}, {I1}, {I1})"),
     ("sample_rows", sampling.sample_rows, f"void({F2}, uint64[:, ::1], float64[:, ::1], int64[:, ::1], {I1}, {I1})"),
     ("copy_grid_stride", copy.copy_grid_stride, f"void({F1}, {F1})"),
 ]

@@ -189,65 +189,96 @@ class BatchPlan(Recorded):
     once: every row a sequence fed its last token, each row's attention through its own sequence's page table, each
     row's next token sampled with its own settings at its own position (kernels.sampling.sample_rows).
 
-    Buffers (allocated here, once): `ints` int32 [5 rows + rows * width] holding, in this order, the rows' tokens,
-    positions, slots, sequence (row t: t), the position each samples at, and the page tables [rows, width]
-    (width: pages of the backend's capacity); `temperature_top_p` float64 [rows, 2], `top_k_seed` int64 [rows, 2];
-    `tokens` [rows] int32 in mapped host memory (the ids chosen, written by the GPU); the sampler's weights
-    uint64 [rows, V]; and the step's activations and scratch (`rt`'s named pool). The host fills pinned copies of
-    the inputs and sends them before each step.
+    Buffers (allocated here, once): `ints` int32 [6 rows + rows * width] holding, in this order, the rows' tokens,
+    positions, slots, sequence (row t: t), the position each samples at, the row of the step before whose chosen
+    token each is fed (`feed_from`, -1: the token sent), and the page tables [rows, width] (width: pages of the
+    backend's capacity); `temperature_top_p` float64 [rows, 2], `top_k_seed` int64 [rows, 2]; the sampler's weights
+    uint64 [rows, V]; and the step's activations and scratch (`rt`'s named pool). `chosen` [>= rows] int32, the ids
+    the step chooses, is given: the plans of every bucket share it, so that a step can feed a row the token that the
+    step before it chose, whatever its bucket. The host fills pinned copies of the inputs, two sets taken in turn,
+    and sends them before each step; the chosen ids come back into pinned memory, one buffer per set.
 
     A batch of fewer sequences pads its rows: a padding row feeds token 0 at position 0 into `pad_slot`, a cache row
     no sequence owns, and its token is never read. Rows never mix: a row gets the bits it gets alone."""
 
-    def __init__(self, backend, rows: int, pad_slot: int, overlap: bool = False):
+    def __init__(self, backend, rows: int, pad_slot: int, chosen=None, overlap: bool = False):
         self.backend, self.rows, self.pad_slot = backend, rows, pad_slot
         c = backend.config
         self.width = -(-backend.capacity // backend.cache.page_size)
         self.rt = rt = Runtime(fast=backend.rt.fast, reuse=True, overlap=overlap)
+        if chosen is None:
+            chosen = rt.empty(rows, np.int32, name="chosen")
+        if chosen.shape[0] < rows:
+            raise ValueError(f"a plan of {rows} rows needs `chosen` of {rows} ids at least, got {chosen.shape[0]}")
+        self.chosen, self.chosen_rows = chosen, chosen[:rows]
         rt.stream = backend.rt.stream  # one stream: the prefills and the steps run in order
-        self.ints = rt.empty(5 * rows + rows * self.width, np.int32, name="inputs")
-        self.token, self.position, self.slot, self.seq_of_row, self.sample_at = (
-            self.ints[i * rows:(i + 1) * rows] for i in range(5))
-        self.page_tables = self.ints[5 * rows:].reshape(rows, self.width)
+        self.ints = rt.empty(6 * rows + rows * self.width, np.int32, name="inputs")
+        self.token, self.position, self.slot, self.seq_of_row, self.sample_at, self.feed_from = (
+            self.ints[i * rows:(i + 1) * rows] for i in range(6))
+        self.page_tables = self.ints[6 * rows:].reshape(rows, self.width)
         self.temperature_top_p = rt.empty((rows, 2), np.float64, name="temperature_top_p")
         self.top_k_seed = rt.empty((rows, 2), np.int64, name="top_k_seed")
         self.weights = rt.empty((rows, c.vocab_size), np.uint64, name="sampler_weights")
-        self.tokens = cuda.mapped_array(rows, np.int32)
-        self._host = {name: cuda.pinned_array(arr.shape, arr.dtype) for name, arr in (
-            ("ints", self.ints), ("temperature_top_p", self.temperature_top_p), ("top_k_seed", self.top_k_seed))}
-        self._host["ints"][3 * rows:4 * rows] = np.arange(rows)
+        self._host = [{name: cuda.pinned_array(arr.shape, arr.dtype) for name, arr in (
+            ("ints", self.ints), ("temperature_top_p", self.temperature_top_p), ("top_k_seed", self.top_k_seed),
+            ("chosen", self.chosen_rows))} for _ in range(2)]
+        for host in self._host:
+            host["ints"][3 * rows:4 * rows] = np.arange(rows)
+        self._done = [None, None]  # per set of pinned buffers: an event after the last step that used it
+        self._turn = 0
         super().__init__(rt, self._step)
 
     def _step(self):
+        launch(k_sampling.feed_tokens, -(-self.rows // 64), 64, 0, self.rt, self.token, self.feed_from, self.chosen)
         logits = self.backend.run_pass(self.rt, self.token, self.position, self.slot,
                                        (self.page_tables, self.seq_of_row), self.rows, self.backend.capacity,
                                        all_logits=True)
         launch(k_sampling.sample_rows, self.rows, k_sampling.THREADS, 0, self.rt, logits, self.weights,
-               self.temperature_top_p, self.top_k_seed, self.sample_at, self.tokens)
+               self.temperature_top_p, self.top_k_seed, self.sample_at, self.chosen_rows)
 
-    def decode(self, rows: list[tuple], graph: bool) -> list[int]:
-        """One step of up to `self.rows` sequences, each given as (token fed, its position, its slot, its pages [<=
-        width], (temperature_top_p, top_k_seed) of kernels.sampling.device_settings): their next tokens (NO_TOKEN
-        for a row whose logits held a NaN). graph: replay the step's CUDA graph (GPU only)."""
+    def start(self, rows: list[tuple], graph: bool):
+        """Queue one step of up to `self.rows` sequences, each given as (token fed, its position, its slot, its pages
+        [<= width], (temperature_top_p, top_k_seed) of kernels.sampling.device_settings, feed: the row of the step
+        queued before this one whose chosen token it is fed instead, or -1), and the copy of the chosen ids back
+        to the host. Returns at once, the step queued: a handle for `collect`. graph: replay the step's CUDA graph
+        (GPU only)."""
         n, R = len(rows), self.rows
         if not 1 <= n <= R:
             raise ValueError(f"a plan of {R} rows decodes 1 to {R} sequences, not {n}")
-        ints, floats, settings = self._host["ints"], self._host["temperature_top_p"], self._host["top_k_seed"]
-        token, position, slot, sample_at = (ints[i * R:(i + 1) * R] for i in (0, 1, 2, 4))
-        tables = ints[5 * R:].reshape(R, self.width)
-        tokens, positions, slots, pages, row_settings = zip(*rows, strict=True)
-        self.rt.synchronize()  # the previous step has read its inputs: the pinned copies are free
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._done[turn] is not None:
+            self._done[turn].synchronize()  # the step that last used these pinned buffers has sent and returned them
+        host = self._host[turn]
+        ints, floats, settings = host["ints"], host["temperature_top_p"], host["top_k_seed"]
+        token, position, slot, sample_at, feed_from = (ints[i * R:(i + 1) * R] for i in (0, 1, 2, 4, 5))
+        tables = ints[6 * R:].reshape(R, self.width)
+        tokens, positions, slots, pages, row_settings, feeds = zip(*rows, strict=True)
         # the sequences' rows (a column at a time), then padding (greedy, token 0 at position 0 in the padding slot)
-        token[:n], position[:n], slot[:n] = tokens, positions, slots
+        token[:n], position[:n], slot[:n], feed_from[:n] = tokens, positions, slots, feeds
         sample_at[:n] = position[:n] + 1
         floats[:n], settings[:n] = [f for f, _ in row_settings], [s for _, s in row_settings]
         tables[:] = -1
         for r, row_pages in enumerate(pages):
             tables[r, :len(row_pages)] = row_pages
-        token[n:], position[n:], slot[n:], sample_at[n:], floats[n:], settings[n:] = 0, 0, self.pad_slot, 0, 0, 0
+        token[n:], position[n:], slot[n:], sample_at[n:], feed_from[n:] = 0, 0, self.pad_slot, 0, -1
+        floats[n:], settings[n:] = 0, 0
         tables[n:, 0] = self.pad_slot // self.backend.cache.page_size
+        stream = self.rt.stream
         for name in ("ints", "temperature_top_p", "top_k_seed"):
-            getattr(self, name).copy_to_device(self._host[name], stream=self.rt.stream)
+            getattr(self, name).copy_to_device(host[name], stream=stream)
         self.replay(1, graph)
-        self.rt.synchronize()
-        return self.tokens[:n].tolist()
+        self.chosen_rows.copy_to_host(host["chosen"], stream=stream)
+        done = self._done[turn] = cuda.event()
+        done.record(stream)
+        return turn, n
+
+    def collect(self, handle) -> list[int]:
+        """The ids a step queued by `start` chose for its sequences (NO_TOKEN for a row whose logits held a NaN),
+        once it has ended."""
+        turn, n = handle
+        self._done[turn].synchronize()
+        return self._host[turn]["chosen"][:n].tolist()
+
+    def decode(self, rows: list[tuple], graph: bool) -> list[int]:
+        """One step (start's rows, without their feeds: each fed the token given), waited for: the chosen ids."""
+        return self.collect(self.start([(*row, -1) for row in rows], graph))

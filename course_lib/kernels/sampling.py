@@ -331,6 +331,30 @@ def sample_rows(logits, weights, temperature_top_p, top_k_seed, positions, token
         tokens[t] = tok
 
 
+def feed(tokens: np.ndarray, feed_from: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """NumPy twin of feed_tokens: tokens with tokens[t] = chosen[feed_from[t]] where feed_from[t] >= 0 (0 where that
+    is NO_TOKEN: the row's sequence has ended, its row is padding)."""
+    out = np.array(tokens, np.int32)
+    fed = feed_from >= 0
+    out[fed] = np.where(chosen[feed_from[fed]] == NO_TOKEN, 0, chosen[feed_from[fed]])
+    return out
+
+
+@waits_for_inputs
+@cuda.jit
+def feed_tokens(tokens, feed_from, chosen):
+    """tokens[t] = chosen[feed_from[t]] where feed_from[t] >= 0, the others as the host sent them: the first kernel
+    of a batched step that the host queued before the step before it had ended (course_lib.batch), each row fed the
+    token its sequence's row of that step chose (still on the device) instead of one the host has not seen yet. A
+    NO_TOKEN is fed as 0: its sequence ended on a NaN, the row's result is thrown away, and the embedding must not
+    read outside its table. tokens, feed_from [T] int32, chosen [R] int32; a thread per row."""
+    inputs_ready()
+    t = cuda.grid(1)
+    if t < tokens.shape[0] and feed_from[t] >= 0:
+        tok = chosen[feed_from[t]]
+        tokens[t] = 0 if tok == NO_TOKEN else tok
+
+
 def device_settings(temperature: float, top_k: int | None, top_p: float | None, seed: int) -> tuple[tuple, tuple]:
     """A request's settings as the kernels read them: (temperature, top_p) float64 and (top_k, seed) int64, a top_p
     of 1 and a top_k of 0 standing for none."""
