@@ -173,3 +173,21 @@ def test_tiles_prose_quotes_their_run():
     assert all(r["same_bits"] for r in run["tiles_64_rows"]["us"])
     ones = [r["tokens_per_s"] for r in run["batch_1_across_calls"]["runs"]]
     assert len(ones) == 5 and f"batch 1 moved between {min(ones):.0f} and {max(ones):.0f} tokens/s" in text
+
+
+def test_pipelined_prose_quotes_its_run():
+    """Notebook 07, the pipelined steps: the tokens/s at each batch size, the ratio to batch 1, the step's GPU and
+    wall time and the PyTorch peer at 64 are those of data/bench_batch_pipelined_h200.json, every text as alone."""
+    run = recorded("bench_batch_pipelined_h200.json")
+    tps = {r["batch"]: r["tokens_per_s"] for r in run["batch"]}
+    assert all(r["same_text"] for r in run["batch"]) and run["peer_batch"] == 64
+    text = " ".join(markdown_cell("07", "## Where the time goes now").split())
+    assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[16]:,.0f} at 16, {tps[32]:,.0f} "
+            f"at 32 and {tps[64]:,.0f} at 64 ({tps[64] / tps[1]:.1f} times batch 1)") in text
+    wall = next(r["ms_per_step"] for r in run["batch"] if r["batch"] == 64)
+    assert f"took {run['profile']['gpu_ms']:.2f} ms of GPU time and {wall:.2f} ms of wall time" in text
+    assert (f"did {run['peers']['graph']:,.0f} tokens/s with a graph and {run['peers']['compile+graph']:,.0f} "
+            "compiled") in text
+    text = " ".join(markdown_cell("07", "## What is not done yet").split())
+    assert f"{tps[64] / tps[1]:.1f} times with the pipelined steps" in text
+    assert f"wall time ({wall:.2f} ms) from the GPU's ({run['profile']['gpu_ms']:.2f} ms)" in text
