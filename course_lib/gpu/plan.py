@@ -195,8 +195,9 @@ class BatchPlan(Recorded):
     backend's capacity); `temperature_top_p` float64 [rows, 2], `top_k_seed` int64 [rows, 2]; the sampler's weights
     uint64 [rows, V]; and the step's activations and scratch (`rt`'s named pool). `chosen` [>= rows] int32, the ids
     the step chooses: the plan's own, or one given to the plans of every bucket (CudaBatch), so that a step can feed
-    a row the token that the step before it chose, whatever its bucket. The host fills pinned copies of the inputs, two sets taken in turn,
-    and sends them before each step; the chosen ids come back into pinned memory, one buffer per set.
+    a row the token that the step before it chose, whatever its bucket. The host fills pinned copies of the inputs,
+    two sets taken in turn, and sends them before each step; the chosen ids come back into pinned memory, one buffer
+    per set.
 
     A batch of fewer sequences pads its rows: a padding row feeds token 0 at position 0 into `pad_slot`, a cache row
     no sequence owns, and its token is never read. Rows never mix: a row gets the bits it gets alone."""
