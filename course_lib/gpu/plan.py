@@ -279,7 +279,3 @@ class BatchPlan(Recorded):
         turn, n = handle
         self._done[turn].synchronize()
         return self._host[turn]["chosen"][:n].tolist()
-
-    def decode(self, rows: list[tuple], graph: bool) -> list[int]:
-        """One step (start's rows, without their feeds: each fed the token given), waited for: the chosen ids."""
-        return self.collect(self.start([(*row, -1) for row in rows], graph))

@@ -336,7 +336,8 @@ def feed(tokens: np.ndarray, feed_from: np.ndarray, chosen: np.ndarray) -> np.nd
     is NO_TOKEN: the row's sequence has ended, its row is padding)."""
     out = np.array(tokens, np.int32)
     fed = feed_from >= 0
-    out[fed] = np.where(chosen[feed_from[fed]] == NO_TOKEN, 0, chosen[feed_from[fed]])
+    ids = chosen[feed_from[fed]]
+    out[fed] = np.where(ids == NO_TOKEN, 0, ids)
     return out
 
 
