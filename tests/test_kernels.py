@@ -661,6 +661,7 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
             for tile in narrow.ROWS_TILES:
                 jobs.append((f"transposed_rows[{kind}, {tile}]", narrow.transposed_rows_kernel(tile, kind),
                              f"void({F2}, uint32[::1], {F2})"))
+            jobs.append(("add_norm_epilogue", narrow.add_norm_epilogue, f"void({F3}, {F2}, {F1}, float32, {F2})"))
             jobs.append((f"split_k_add_epilogue[{kind}]", narrow.kernel_for("split_k", kind, rows, "f32", True,
                                                                             chunked=True, epilogue_only=True),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
@@ -877,6 +878,37 @@ def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype
         nw.matmul_narrow(a_dev, b_dev, accumulate=True)
 
 
+@pytest.mark.parametrize("N", [72, 71])  # 16-byte loads (the epilogue normalizes), one element per load (rms_norm)
+def test_norm_after_the_residual_is_rms_norm_bit_for_bit(rng, N):
+    """matmul_narrow(accumulate=True, norm_after=(gamma, eps, h)): x gets the bits of the plain accumulating matmul
+    and h those of rms_norm(x) afterwards, for a launch of tiled rows (the add and the norm in one epilogue, a block
+    per row), then the rows of the launch left (4 rows: the split-K kernel, then rms_norm); without 16-byte loads,
+    the two launches and one rms_norm of all the rows."""
+    M, K = nw.LAUNCH_ROWS + nw.KERNEL_ROWS, 200
+    a, b, _, want, tol = linear_case(rng, M, K, N, "bf16", None)
+    x = randn(rng, M, N)
+    gamma, eps = 1 + randn(rng, N, scale=0.1), np.float32(1e-5)
+    a_dev, b_dev, gamma_dev = dev(a), dev(b), dev(gamma)
+    plain = nw.matmul_narrow(a_dev, b_dev, out=dev(x), accumulate=True)
+    normed = ew.rms_norm(plain, gamma_dev, eps, out=poisoned((M, N))).copy_to_host()
+    rt = _RecordingRuntime()
+    h = poisoned((M, N))
+    got = nw.matmul_narrow(a_dev, b_dev, out=dev(x), rt=rt, accumulate=True, norm_after=(gamma_dev, eps, h))
+    np.testing.assert_array_equal(got.copy_to_host().view(np.uint32), plain.copy_to_host().view(np.uint32))
+    np.testing.assert_array_equal(h.copy_to_host().view(np.uint32), normed.view(np.uint32))
+    y = x + want  # the reference; y errs by tol_y, which reaches h through y / rms and through rms itself
+    rms, tol_y = np.sqrt((y * y).mean(1, keepdims=True) + eps), tol + U32 * np.abs(y)
+    want_h = y / rms * gamma
+    check(h.copy_to_host(), want_h, rms_norm_tolerance(want_h)
+          + np.abs(gamma) * (tol_y + np.abs(y) * tol_y.max(1, keepdims=True) / rms) / rms)
+    if N % 8 == 0:
+        assert rt.launched == ["split_k_tile_sums_vec", "add_norm_epilogue", "matmul_split_k_vec_add", "rms_norm_rows"]
+    else:  # a launch of chunks of rows, the rows left, then one norm of them all
+        assert rt.launched == ["matmul_split_k_add", "matmul_split_k_add", "rms_norm_rows"]
+    with pytest.raises(ValueError, match="norm_after"):
+        nw.matmul_narrow(a_dev, b_dev, out=dev(x), norm_after=(gamma_dev, eps, h))
+
+
 def test_matmul_narrow_rejects(rng):
     a, b = dev(np.zeros((0, 8), np.float32)), dev(randn(rng, 8, 5))  # no rows (any number >= 1 is taken)
     with pytest.raises(ValueError, match="rows"):
@@ -940,23 +972,28 @@ def test_matmul_transposed_rows_gives_each_row_its_bits_alone(rng, dtype, K):
         nw.matmul_transposed_rows(dev(a[:, :K - 1]), dev(b))
 
 
-@pytest.mark.parametrize("K", [131, 40])  # two slices of odd lengths (residues of two lengths), one short slice
+@pytest.mark.parametrize("K", [131, 40, 128])  # two slices of odd lengths (residues of two lengths), one short
+# slice (of whole residues), two slices of whole residues (their steps unrolled)
 def test_every_tile_sums_a_slice_with_the_same_bits(rng, K):
-    """The slices' sums of a batch's rows (tile_sums_kernel) are the same bits whatever the tile: each output is
-    summed in the slice order of split_k_sums, whichever thread and block hold it. They add up to a @ b."""
+    """The slices' sums of a batch's rows (tile_sums_kernel) are the same bits whatever the tile, and with the
+    residue's length unrolled when every slice has it: each output is summed in the slice order of split_k_sums,
+    whichever thread and block hold it. They add up to a @ b."""
     M, N = 11, 48
     a, b = randn(rng, M, K), f32_to_bf16(randn(rng, K, N, scale=0.2))
     S = nw.split_k(K, N, 32 * nw.VEC, nw.sm_count())
+    uniform = K % (S * nw.WARPS) == 0
     a_dev, words = dev(a), nw.words(dev(b))
-    sums = []
+    sums = {}
     for tile in nw.TILES:
-        partial = poisoned((S, M, N))
-        grid = (-(-N // (nw.VEC * tile[0])), S, -(-M // nw.tile_rows(tile)))
-        nw.tile_sums_kernel(tile, "bf16x8")[grid, nw.TILE_THREADS](a_dev, words, partial)
-        sums.append(partial.copy_to_host())
-    for tile, got in zip(nw.TILES[1:], sums[1:], strict=True):
-        np.testing.assert_array_equal(got.view(np.uint32), sums[0].view(np.uint32), err_msg=f"tile {tile}")
-    check(sums[0].sum(0), a @ bf16_to_f32(b), dot_tolerance(a, bf16_to_f32(b)))
+        for residue in (0, K // S // nw.WARPS) if uniform else (0,):
+            partial = poisoned((S, M, N))
+            grid = (-(-N // (nw.VEC * tile[0])), S, -(-M // nw.tile_rows(tile)))
+            nw.tile_sums_kernel(tile, "bf16x8", residue)[grid, nw.TILE_THREADS](a_dev, words, partial)
+            sums[tile, residue] = partial.copy_to_host()
+    first = sums[nw.TILES[0], 0]
+    for (tile, residue), got in sums.items():
+        np.testing.assert_array_equal(got.view(np.uint32), first.view(np.uint32), err_msg=f"{tile}, {residue}")
+    check(first.sum(0), a @ bf16_to_f32(b), dot_tolerance(a, bf16_to_f32(b)))
 
 
 def test_split_k_slices_at_least_min():

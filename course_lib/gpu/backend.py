@@ -228,21 +228,23 @@ class CudaBackend:
         [T, V], or [1, V] of the last token.
         Every intermediate has a name: with a recycling runtime (the paged recipe, a step plan) that name is one
         buffer of the pass, reused by every layer."""
-        c, w = self.config, self.w
+        c, w, layers = self.config, self.w, self.w["layers"]
         x = k_elt.embedding(w["embed"], ids_d, out=rt.empty((T, c.d_model), name="x"), rt=rt)
-        for i, lw in enumerate(w["layers"]):
-            q = self._attention_inputs(rt, x, lw, i, pos_d, slots_d, T)
+        h = None  # RMSNorm(x) * gamma of the next norm, when the projection that last added into x wrote it
+        for i, lw in enumerate(layers):
+            q = self._attention_inputs(rt, x, h, lw, i, pos_d, slots_d, T)
             if self.paged:
                 a = self._paged_attention(rt, q, i, pos_d, tables, T, max_len)
             else:
                 a = k_attention.attention(q, self.k_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim),
                                           self.v_cache[i].reshape(max_len, c.n_kv_heads, c.head_dim), pos_d, rt=rt)
-            x = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw, "wo")
-            x = self._add_linear(rt, x, self._mlp_inputs(rt, x, lw, T), lw, "w_down")
+            x, h = self._add_linear(rt, x, reshaped(a, T, c.d_model), lw, "wo", lw["mlp_norm"])
+            after = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else w["final_norm"] if all_logits else None
+            x, h = self._add_linear(rt, x, self._mlp_inputs(rt, x, h, lw, T), lw, "w_down", after)
         rows = x if all_logits else x[T - 1:]  # the transposed kernel normalizes one row (a decode step's) itself
         fits = w["lm_head"] is not None or (rows.shape[0] == 1 and c.d_model <= k_narrow.MAX_NORMED_K
                                             and self.ops["logits"] == "transposed")
-        h, norm = self._normed(rt, rows, w["final_norm"], name="h_final", fuse=fits)
+        h, norm = (h, None) if h is not None else self._normed(rt, rows, w["final_norm"], name="h_final", fuse=fits)
         if w["lm_head"] is not None:
             return self._linear(rt, h, w["lm_head"], name="logits", norm=norm)
         if self.ops["logits"] == "rows":
@@ -263,11 +265,12 @@ class CudaBackend:
                                        out=rt.empty((T, c.n_heads, c.head_dim), name="attn"), rt=rt,
                                        one_launch=one_launch, seq_of_row=seq_of_row)
 
-    def _attention_inputs(self, rt, x, lw, i, pos_d, slots_d, T):
-        """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm, the Q, K, V
-        projections and RoPE, in one kernel with the fused qkv, else a kernel for each."""
+    def _attention_inputs(self, rt, x, normed, lw, i, pos_d, slots_d, T):
+        """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm (unless `normed`
+        holds it already), the Q, K, V projections and RoPE, in one kernel with the fused qkv, else a kernel for
+        each."""
         c = self.config
-        h, norm = self._normed(rt, x, lw["attn_norm"])
+        h, norm = (normed, None) if normed is not None else self._normed(rt, x, lw["attn_norm"])
         if self.ops["projection"] == "row_dot":
             q = k_row.qkv_rope(h, lw["w_qkv_rows"], lw["b_qkv_rows"], norm, self.cos, self.sin, pos_d, slots_d,
                                rt.empty((T, c.d_model), name="q"), self.cache.k[i], self.cache.v[i], rt=rt)
@@ -289,10 +292,10 @@ class CudaBackend:
             self.v_cache[i] = self._grow(self.v_cache[i], v.reshape(T, c.d_kv))
         return q
 
-    def _mlp_inputs(self, rt, x, lw, T):
-        """silu(gate) * up [T, d_ff] of RMSNorm(x): one kernel with the fused swiglu, else two matmuls and the
-        product's kernel (and the norm's, unless fused)."""
-        h, norm = self._normed(rt, x, lw["mlp_norm"])
+    def _mlp_inputs(self, rt, x, normed, lw, T):
+        """silu(gate) * up [T, d_ff] of RMSNorm(x) (`normed`, when already written): one kernel with the fused
+        swiglu, else two matmuls and the product's kernel (and the norm's, unless fused)."""
+        h, norm = (normed, None) if normed is not None else self._normed(rt, x, lw["mlp_norm"])
         if self.ops["projection"] == "row_dot":
             return k_row.gate_up_swiglu(h, lw["w_gu_rows"], norm, rt.empty((T, self.config.d_ff), name="act"), rt=rt)
         if self.ops["swiglu"] == "fused":
@@ -323,16 +326,23 @@ class CudaBackend:
             f(x[r:r + step], y[r:r + step])
         return y
 
-    def _add_linear(self, rt, x, a, lw, matrix):
-        """x + a @ lw[matrix] ("wo" or "w_down"), the residual stream [T, d_model] updated in place: by the
+    def _add_linear(self, rt, x, a, lw, matrix, gamma_after=None):
+        """(x + a @ lw[matrix] ("wo" or "w_down"), h): the residual stream [T, d_model] updated in place, by the
         projection itself when the residual is fused (one kernel: the row_dot epilogue, or the narrow matmul's
-        reduction), else a matmul into a buffer then an add kernel."""
+        reduction), else a matmul into a buffer then an add kernel. h: RMSNorm(x) * gamma_after, the next
+        projection's input, when the norm and the residual are fused and x has more rows than a projection normalizes
+        itself (a batch's: the narrow matmul's epilogue adds and normalizes a row in one launch), else None."""
         if self.ops["projection"] == "row_dot":
-            return k_row.project(a, lw[matrix + "_rows"], x, accumulate=True, rt=rt)
-        if self.ops["residual"] == "fused":
-            return k_narrow.matmul_narrow(a, lw[matrix], out=x, rt=rt, accumulate=True)
-        return k_elt.add(x, self._linear(rt, a, lw[matrix], name={"wo": "o", "w_down": "down"}[matrix]),
-                         out=rt.empty(x.shape, name="x"), rt=rt)
+            return k_row.project(a, lw[matrix + "_rows"], x, accumulate=True, rt=rt), None
+        if self.ops["residual"] != "fused":
+            return k_elt.add(x, self._linear(rt, a, lw[matrix], name={"wo": "o", "w_down": "down"}[matrix]),
+                             out=rt.empty(x.shape, name="x"), rt=rt), None
+        if gamma_after is None or self.ops["norm"] != "fused" or x.shape[0] <= k_narrow.NORMED_ROWS:
+            return k_narrow.matmul_narrow(a, lw[matrix], out=x, rt=rt, accumulate=True), None
+        h = rt.empty(x.shape, name="h")
+        k_narrow.matmul_narrow(a, lw[matrix], out=x, rt=rt, accumulate=True,
+                               norm_after=(gamma_after, self.config.rms_eps, h))
+        return x, h
 
     def _linear(self, rt, x, weight, bias=None, name=None, norm=None):
         """x [T, K] @ weight + bias into the buffer `name`, with the chosen matmul; the bias in its own kernel

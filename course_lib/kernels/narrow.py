@@ -25,7 +25,8 @@ computes the slices' sums in tiles of rows x columns: the split-K block's order 
 order), and a thread holding an output can follow it, walking the slice residue after residue with two registers
 per output (the residue's running sum, the total of the residues before it). Each weight staged in shared memory
 then serves the tile's 8 to 64 rows instead of 4. The epilogue (slices added in order, bias or residual, and the
-fused epilogues of kernels/fused) is a second launch, a block per (column group, KERNEL_ROWS rows). Without 16-byte
+fused epilogues of kernels/fused) is a second launch, a block per (column group, KERNEL_ROWS rows), or for the
+residual stream followed by a norm a block per row that adds and normalizes (`add_norm_epilogue`). Without 16-byte
 loads, a launch of many rows has a block per chunk of KERNEL_ROWS rows (`rows_of_block`) calling the split-K block
 on its rows, each chunk with its own completion counters. A row's result therefore does not depend on R (the
 slices depend only on K and N, and each row's additions are made in the same order whatever the geometry): one
@@ -92,11 +93,18 @@ MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
 # two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
 TILE_THREADS = sized(256, 8)  # threads of a block of `tile_sums_kernel` (the slices' sums of a batch's rows)
-TILES = ((16, 4), (8, 2), (16, 2), (8, 1), (32, 2), (16, 1), (32, 1)) if not SIMULATOR else ((4, 4), (2, 2), (8, 1))
+TILES = ((16, 2), (16, 4), (8, 2), (8, 1), (32, 2), (16, 1), (32, 1)) if not SIMULATOR else ((4, 4), (2, 2), (8, 1))
 # its tiles (TX, TM): TX thread columns of VEC columns, TILE_THREADS / TX thread rows of TM rows; the first whose
-# rows the launch fills and which gives it a block per two SMs (the fastest of the tiles for each of SmolLM2's
-# projections at 64 rows, data/batch_tiles_h200.json)
-TILE_BOUNDS = {} if SIMULATOR else {"launch_bounds": (TILE_THREADS,)}
+# rows the launch fills and which gives it a block per two SMs ((16, 2) was the fastest or within 7% of it on each
+# of SmolLM2's projections at 64 rows, data/batch_tiles_unrolled_h200.json)
+
+
+def tile_bounds(tm: int) -> dict:
+    """The launch bounds of a tile kernel whose threads hold tm rows: two blocks per SM when tm <= 2 (the compiler
+    then keeps a thread within 128 registers, spilling a few bytes of its set-up; more rows would spill its sums)."""
+    return {} if SIMULATOR else {"launch_bounds": (TILE_THREADS, 2 if tm <= 2 else 1)}
+
+
 TILE_PIECE = sized(32, 64)  # rows of K a tile block stages in shared memory at a time, whole residues (the
 # simulator's 2 warps make residues of half a slice)
 ROWS_TILES = ((16, 4), (16, 2), (32, 1)) if not SIMULATOR else ((4, 2), (8, 1))  # (TX, TM) tiles of
@@ -237,16 +245,29 @@ def split_k_block_for(rows, width, load, normed):
     return split_k_block
 
 
+QUAD = 4  # float32 in 16 bytes: a tile's columns are staged in shared memory in quads, read by 16-byte loads
+QUADS = VEC // QUAD  # the quads of a thread's VEC columns
+
+
+@cuda.jit(device=True)
+def tile_column(tx, u, c):
+    """The column of a tile of VEC tx columns that thread column u holds as its c-th (c < VEC): quad u of each half
+    of the tile, 4 tx h + 4 u + j for c = 4 h + j. ws[t, h, u, j] holds it, so that a thread reads its VEC weights
+    of a row of K as two 16-byte shared loads, and the lanes of a warp read adjacent quads (no bank conflicts)."""
+    return QUAD * tx * (c // QUAD) + QUAD * u + c % QUAD
+
+
 @functools.cache
 def tile_step_for(tm):
     """The device function tile_step(ws, xs, t, u, r0, wv, acc) of the tile kernels: row t of K staged in shared
-    memory, acc[r, c] += xs[t, r0 + r] * ws[t, c, u] for this thread's tm rows and VEC columns (wv: a local
-    [VEC] for the weights), each sum one FMA further along K."""
+    memory, acc[r, c] += xs[t, r0 + r] * ws[t, c // 4, u, c % 4] for this thread's tm rows and VEC columns (wv: a
+    local [VEC] for the weights), each sum one FMA further along K. xs's rows have a length that is a multiple of
+    QUAD and r0 is one: the tm activations come in 16-byte loads too (the compiler merges them)."""
 
     @cuda.jit(device=True)
     def tile_step(ws, xs, t, u, r0, wv, acc):
         for c in range(VEC):
-            wv[c] = ws[t, c, u]
+            wv[c] = ws[t, c // QUAD, u, c % QUAD]
         for r in range(tm):
             x = xs[t, r0 + r]
             for c in range(VEC):
@@ -256,33 +277,102 @@ def tile_step_for(tm):
 
 
 @functools.cache
-def tile_sums_for(tx, tm, load):
+def residue_steps_for(tm, steps):
+    """The device function residue_steps(ws, xs, t, u, r0, wv, acc): tile_step for the rows t .. t + steps - 1 of
+    K, written out one after the other at compile time (the compiler does not unroll the loop of a residue, and
+    unrolled, the shared loads of a row are issued while the FMAs of the one before run)."""
+    step = tile_step_for(tm)
+    if steps == 1:
+        return step
+    rest = residue_steps_for(tm, steps - 1)
+
+    @cuda.jit(device=True)
+    def residue_steps(ws, xs, t, u, r0, wv, acc):
+        step(ws, xs, t, u, r0, wv, acc)
+        rest(ws, xs, t + 1, u, r0, wv, acc)
+
+    return residue_steps
+
+
+@functools.cache
+def fold_for(tm):
+    """The device function fold(acc, total, first): a residue's sums acc [tm, VEC] added into total as store_row adds
+    the warps' sums (total = acc for the slice's first residue), acc zeroed for the next."""
+
+    @cuda.jit(device=True)
+    def fold(acc, total, first):
+        for r in range(tm):
+            for c in range(VEC):
+                total[r, c] = acc[r, c] if first else total[r, c] + acc[r, c]
+                acc[r, c] = float32(0)
+
+    return fold
+
+
+@functools.cache
+def residues_for(tm, residue, count):
+    """The device function residues(ws, xs, t, u, r0, wv, acc, total, first): `count` residues of `residue` rows of
+    K from row t of the staged piece, each summed (residue_steps) and folded into total (first: the first of them is
+    the slice's first), written out at compile time: every shared address is then a constant offset."""
+    steps, fold = residue_steps_for(tm, residue), fold_for(tm)
+    if count == 1:
+        @cuda.jit(device=True)
+        def residue_alone(ws, xs, t, u, r0, wv, acc, total, first):
+            steps(ws, xs, t, u, r0, wv, acc)
+            fold(acc, total, first)
+
+        return residue_alone
+    rest = residues_for(tm, residue, count - 1)
+
+    @cuda.jit(device=True)
+    def residues(ws, xs, t, u, r0, wv, acc, total, first):
+        steps(ws, xs, t, u, r0, wv, acc)
+        fold(acc, total, first)
+        rest(ws, xs, t + residue, u, r0, wv, acc, total, False)
+
+    return residues
+
+
+def uniform_residue(K: int, S: int) -> int:
+    """The residue length (rows of K a split-K warp sums in a slice) when it is the same in every slice of K in S
+    and a piece holds a whole number of residues, and a slice a whole number of pieces (then the tile kernel writes
+    a piece's steps out), else 0."""
+    residue = K // S // WARPS if K % (S * WARPS) == 0 else 0
+    return residue if residue and TILE_PIECE % residue == 0 and WARPS % (TILE_PIECE // residue) == 0 else 0
+
+
+@functools.cache
+def tile_sums_for(tx, tm, load, residue=0):
     """The device function tile_sums(g, s, a, b, partial): slice s of K of a tile of a batch's rows, a [R, K] @
     b [K, N] for the VEC tx columns of tile g and the rows of a (a chunk of at most TILE_THREADS // tx * tm rows),
     into partial[s] [R, N], with the bits of split_k_sums (16-byte loads: load(b, k, v, per_row) gives the VEC
     weights of row k, columns VEC v ..; no norm). The slice's residues must each fit in a piece (see below).
+    residue: uniform_residue(K, S), the rows of every residue when they are all the same and a piece holds a whole
+    number of them (a compile-time constant: the piece's steps are written out, `residues_for`), or 0: the residues
+    computed per slice, walked by loops.
 
     split_k_sums fixes the order of the additions of an output: warp w sums the slice's rows k0 + w, k0 + w +
     WARPS, ... (its residue w) by FMAs from zero, then the warps' sums are added in warp order. Any geometry that
     makes the same operations in the same order gets the same bits: here a block owns a tile of outputs, a thread
-    tm rows x VEC columns of it (columns u + tx c: a warp's stores are whole sectors), and walks the slice residue
-    after residue with two registers per output: `acc`, the running sum of the residue, and `total`, the residues
-    before it added in order. The slice order (residue 0's rows, then residue 1's, ...) is written once per block
-    in shared memory (`order`); the weights and activations of whole residues, at most TILE_PIECE rows, are staged
-    at a time, the next piece's loads in flight while the FMAs of this one run. Every weight staged serves the
-    tile's rows, every activation its columns: tm + VEC loads from shared memory for tm x VEC FMAs, and no test per
-    row of K (the residues' lengths are known)."""
-    rows, pitch = TILE_THREADS // tx * tm, TILE_THREADS // tx * tm + 1  # the tile's rows; xs's row: one longer, no
-    # bank conflicts
+    tm rows x VEC columns of it (tile_column), and walks the slice residue after residue with two registers per
+    output: `acc`, the running sum of the residue, and `total`, the residues before it added in order. The slice
+    order (residue 0's rows, then residue 1's, ...) is written once per block in shared memory (`order`); the
+    weights and activations of whole residues, at most TILE_PIECE rows, are staged at a time, the next piece's
+    loads in flight while the FMAs of this one run. Every weight staged serves the tile's rows, every activation its
+    columns: three 16-byte loads from shared memory for tm x VEC FMAs (tm = 4), and no test per row of K."""
+    rows = TILE_THREADS // tx * tm  # the tile's rows
+    pitch = rows + QUAD  # xs's row: a whole number of quads (16-byte loads)
     w_loads = TILE_PIECE * tx // TILE_THREADS  # the 16-byte loads of weights a thread stages per piece
     x_loads = TILE_PIECE * rows // TILE_THREADS  # the activations
-    step = tile_step_for(tm)
+    step, fold = tile_step_for(tm), fold_for(tm)
+    piece = residues_for(tm, residue, TILE_PIECE // residue) if residue else None
 
     @cuda.jit(device=True)
     def fetch(p0, n, order, a, b, v0, per_row, wbuf, xbuf):
         """This thread's loads of the n rows of slice order from position p0, into registers: weights
-        (tid + i TILE_THREADS = t tx + q: row order[p0 + t], group v0 + q), activations (= r TILE_PIECE + t: lanes
-        along a row of a); zeros past the piece, the columns or the rows."""
+        (tid + i TILE_THREADS = t tx + q: row order[p0 + t], group v0 + q), activations (= t rows + r: lanes
+        along the rows, so that their stores into xs do not conflict); zeros past the piece, the columns or the
+        rows."""
         tid = cuda.threadIdx.x
         for i in range(w_loads):
             t, q = (tid + i * TILE_THREADS) // tx, (tid + i * TILE_THREADS) % tx
@@ -294,13 +384,14 @@ def tile_sums_for(tx, tm, load):
                 for c in range(VEC):
                     wbuf[i, c] = float32(0)
         for i in range(x_loads):
-            t, r = (tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE
+            t, r = (tid + i * TILE_THREADS) // rows, (tid + i * TILE_THREADS) % rows
             xbuf[i] = a[r, order[p0 + t]] if t < n and r < a.shape[0] else float32(0)
 
     @cuda.jit(device=True)
     def tile_sums(g, s, a, b, partial):
         order = cuda.shared.array(TILE_SLICE, dtype=int32)  # order[t]: the row of K at position t of slice order
-        ws = cuda.shared.array((TILE_PIECE, VEC, tx), dtype=float32)  # ws[t, c, u]: column u + tx c of the tile
+        ws = cuda.shared.array((TILE_PIECE, QUADS, tx, QUAD), dtype=float32)  # ws[t] (tile_column): row
+        # order[t] of the tile's columns
         xs = cuda.shared.array((TILE_PIECE, pitch), dtype=float32)  # xs[t, r] = a[r, order[t]]
         acc = cuda.local.array((tm, VEC), dtype=float32)
         total = cuda.local.array((tm, VEC), dtype=float32)
@@ -309,11 +400,12 @@ def tile_sums_for(tx, tm, load):
         xbuf = cuda.local.array(x_loads, dtype=float32)
         R, K, N, S = a.shape[0], a.shape[1], partial.shape[2], partial.shape[0]
         tid = cuda.threadIdx.x
-        u, r0 = tid % tx, (tid // tx) * tm  # this thread's columns of the tile are u + tx c; its first row r0
+        u, r0 = tid % tx, (tid // tx) * tm  # this thread's columns of the tile: tile_column(tx, u, c); rows r0 ..
         per_row, v0 = N // VEC, g * tx
         k0 = s * K // S
         L = (s + 1) * K // S - k0
-        m, rem = L // WARPS, L % WARPS  # residue w has m rows, one more when w < rem; it starts at w m + min(w, rem)
+        m = residue if residue else L // WARPS  # residue w has m rows, one more when w < rem; it starts at
+        rem = 0 if residue else L % WARPS  # w m + min(w, rem)
         per_piece = TILE_PIECE // (m + (1 if rem > 0 else 0))  # the residues of a piece
         if tid < WARPS:
             for j in range(m + (1 if tid < rem else 0)):
@@ -330,28 +422,30 @@ def tile_sums_for(tx, tm, load):
             cuda.syncthreads()  # the previous piece is used up
             for i in range(w_loads):
                 t, q = (tid + i * TILE_THREADS) // tx, (tid + i * TILE_THREADS) % tx
-                for c in range(VEC):  # column VEC q + c of the tile: ws[t] holds the row in column order
-                    ws[t, (VEC * q + c) // tx, (VEC * q + c) % tx] = wbuf[i, c]
+                for c in range(VEC):  # column VEC q + c of the tile, in quad 2 q + c // 4
+                    quad = QUADS * q + c // QUAD
+                    ws[t, quad // tx, quad % tx, c % QUAD] = wbuf[i, c]
             for i in range(x_loads):
-                xs[(tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE] = xbuf[i]
+                xs[(tid + i * TILE_THREADS) // rows, (tid + i * TILE_THREADS) % rows] = xbuf[i]
             cuda.syncthreads()
             if w1 < WARPS:  # the next piece's loads, in flight during this piece's FMAs
                 w2 = min(WARPS, w1 + per_piece)
                 p1 = w1 * m + min(w1, rem)
                 fetch(p1, w2 * m + min(w2, rem) - p1, order, a, b, v0, per_row, wbuf, xbuf)
-            for w in range(w0, w1):
-                t0 = w * m + min(w, rem) - p0
-                for t in range(t0, t0 + m + (1 if w < rem else 0)):
-                    step(ws, xs, t, u, r0, wv, acc)
-                for r in range(tm):  # residue w is whole: added into total as store_row adds the warps' sums (the
-                    for c in range(VEC):  # warps without rows add their zeros)
-                        total[r, c] = acc[r, c] if w == 0 else total[r, c] + acc[r, c]
-                        acc[r, c] = float32(0)
+            if residue:  # the piece's residues written out (warps without rows would add zeros: there are none)
+                piece(ws, xs, 0, u, r0, wv, acc, total, w0 == 0)
+            else:
+                for w in range(w0, w1):
+                    t0 = w * m + min(w, rem) - p0
+                    for j in range(m + (1 if w < rem else 0)):
+                        step(ws, xs, t0 + j, u, r0, wv, acc)
+                    fold(acc, total, w == 0)  # the warps without rows add their zeros
         for r in range(tm):
             if r0 + r < R:
                 for c in range(VEC):
-                    if VEC * v0 + u + tx * c < N:
-                        partial[s, r0 + r, VEC * v0 + u + tx * c] = total[r, c]
+                    n = VEC * v0 + tile_column(tx, u, c)
+                    if n < N:
+                        partial[s, r0 + r, n] = total[r, c]
 
     return tile_sums
 
@@ -466,14 +560,14 @@ def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chu
 
 
 @functools.cache
-def tile_sums_kernel(tile, kind):
-    """The kernel of tile_sums_for for a tile (tx, tm) of TILES and weight kind "f32x8" or "bf16x8": the slices' sums
-    of a batch's rows into partial, a block per (tile of columns, slice, chunk of rows); the epilogue is another
-    launch (epilogue_only)."""
+def tile_sums_kernel(tile, kind, residue=0):
+    """The kernel of tile_sums_for for a tile (tx, tm) of TILES, weight kind "f32x8" or "bf16x8" and `residue` (see
+    there): the slices' sums of a batch's rows into partial, a block per (tile of columns, slice, chunk of rows);
+    the epilogue is another launch (epilogue_only)."""
     tx, tm = tile
     _, load, _ = SPLIT_K_LOADS[kind]
     units = 2 if kind == "f32x8" else 1  # 16-byte units per VEC weights
-    sums = tile_sums_for(tx, tm, load)
+    sums = tile_sums_for(tx, tm, load, residue)
     rows = TILE_THREADS // tx * tm
 
     def split_k_tile_sums(a, b, partial):
@@ -492,7 +586,7 @@ def tile_sums_kernel(tile, kind):
         sums(g, s, a[lo:hi], b, partial[:, lo:hi])
 
     split_k_tile_sums.__name__ = split_k_tile_sums.__qualname__ = "split_k_tile_sums_vec"
-    return waits_for_inputs(cuda.jit(**TILE_BOUNDS)(split_k_tile_sums))
+    return waits_for_inputs(cuda.jit(**tile_bounds(tm))(split_k_tile_sums))
 
 
 def tile_rows(tile) -> int:
@@ -500,20 +594,39 @@ def tile_rows(tile) -> int:
     return TILE_THREADS // tile[0] * tile[1]
 
 
+@waits_for_inputs
+@cuda.jit(**SPLIT_K_BOUNDS)
+def add_norm_epilogue(partial, x, gamma, eps, h):
+    """The epilogue of a batch's residual projection fused with the norm of the next one, a block per row r (grid R,
+    THREADS): x[r, n] += the S slices of partial [S, R, N] added in slice order (the bits of store_group's
+    accumulate), then h[r] = x[r] / rms(x[r]) * gamma [N] float32 (the bits of rms_norm: row_rms, the same
+    division and product). The block holds the whole row, so the norm needs no other launch."""
+    inputs_ready()
+    scratch = cuda.shared.array(32, dtype=float32)
+    r = cuda.blockIdx.x
+    for n in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        x[r, n] = x[r, n] + sum_slices(partial, r, n)
+    cuda.syncthreads()  # the row is whole: every thread's columns written
+    rms = row_rms(x, r, eps, scratch)
+    for n in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        h[r, n] = x[r, n] / rms * gamma[n]
+
+
 @functools.cache
 def transposed_rows_kernel(tile, kind):
     """matmul_transposed_rows's kernel for a tile (tx, tm) of ROWS_TILES and weight kind "bf16x8" or "f32x8":
     out[r, n] = a[r, :] . b[n, :], each output summed by one thread along K in order from zero, so that its bits do
     not depend on the tile: any number of rows gets every row's bits. A block owns TILE_THREADS // tx * tm rows of a
-    and VEC tx rows of b (grid: ceil(N / (VEC tx)), ceil(R / rows)); a thread tm rows x VEC rows of b (u + tx c, so
-    that a warp's stores are whole sectors). TILE_PIECE columns of K of both are staged at a time in shared memory,
-    the next piece's loads in flight while this one's FMAs run: tm + VEC loads from shared memory for tm x VEC FMAs."""
+    and VEC tx rows of b (grid: ceil(N / (VEC tx)), ceil(R / rows)); a thread tm rows x VEC rows of b
+    (tile_column). TILE_PIECE columns of K of both are staged at a time in shared memory, the next piece's loads in
+    flight while this one's FMAs run: three 16-byte loads from shared memory for tm x VEC FMAs (tm = 4)."""
     tx, tm = tile
     load8 = bf16x8 if kind == "bf16x8" else f32x8
     rows, cols = TILE_THREADS // tx * tm, VEC * tx
-    pitch, groups = rows + 1, TILE_PIECE // VEC  # xs's row (one longer: no bank conflicts); 16-byte groups a piece
+    pitch, groups = rows + QUAD, TILE_PIECE // VEC  # xs's row (whole quads: 16-byte loads; one quad longer, its
+    # stores along K conflict 4-way, not 32); 16-byte groups a piece
     w_loads, x_loads = cols * groups // TILE_THREADS, TILE_PIECE * rows // TILE_THREADS
-    step = tile_step_for(tm)
+    step, piece = tile_step_for(tm), residue_steps_for(tm, TILE_PIECE)
 
     @cuda.jit(device=True)
     def fetch(k0, n0, a, words, N, wbuf, xbuf):
@@ -538,7 +651,8 @@ def transposed_rows_kernel(tile, kind):
     def matmul_transposed_rows(a, words, out):
         """out [R, N] = a [R, K] @ b [N, K].T, b seen as its flat uint32 words. Grid (ceil(N / (VEC tx)),
         ceil(R / rows)), TILE_THREADS."""
-        ws = cuda.shared.array((TILE_PIECE, VEC, tx), dtype=float32)  # ws[t, c, u] = b[n0 + u + tx c, k0 + t]
+        ws = cuda.shared.array((TILE_PIECE, QUADS, tx, QUAD), dtype=float32)  # ws[t] (tile_column): b[n0 + n,
+        # k0 + t] of the tile's rows n of b
         xs = cuda.shared.array((TILE_PIECE, pitch), dtype=float32)  # xs[t, r] = a[r, k0 + t]
         acc = cuda.local.array((tm, VEC), dtype=float32)
         wv = cuda.local.array(VEC, dtype=float32)
@@ -558,23 +672,27 @@ def transposed_rows_kernel(tile, kind):
             cuda.syncthreads()  # the previous piece is used up
             for i in range(w_loads):
                 n, j = (tid + i * TILE_THREADS) // groups, (tid + i * TILE_THREADS) % groups
-                for c in range(VEC):
-                    ws[VEC * j + c, n // tx, n % tx] = wbuf[i, c]
+                for c in range(VEC):  # row n of b is in quad n // 4
+                    ws[VEC * j + c, n // (QUAD * tx), n // QUAD % tx, n % QUAD] = wbuf[i, c]
             for i in range(x_loads):
                 xs[(tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE] = xbuf[i]
             cuda.syncthreads()
             if k0 + TILE_PIECE < K:  # the next piece's loads, in flight during this piece's FMAs
                 fetch(k0 + TILE_PIECE, n0, chunk, words, N, wbuf, xbuf)
-            for t in range(min(TILE_PIECE, K - k0)):
-                step(ws, xs, t, u, r0, wv, acc)
+            if k0 + TILE_PIECE <= K:  # a whole piece: its steps written out
+                piece(ws, xs, 0, u, r0, wv, acc)
+            else:
+                for t in range(K - k0):
+                    step(ws, xs, t, u, r0, wv, acc)
         for r in range(tm):
             if lo + r0 + r < R:
                 for c in range(VEC):
-                    if n0 + u + tx * c < N:
-                        out[lo + r0 + r, n0 + u + tx * c] = acc[r, c]
+                    n = n0 + tile_column(tx, u, c)
+                    if n < N:
+                        out[lo + r0 + r, n] = acc[r, c]
 
     matmul_transposed_rows.__name__ = matmul_transposed_rows.__qualname__ = "matmul_transposed_rows"
-    return waits_for_inputs(cuda.jit(**TILE_BOUNDS)(matmul_transposed_rows))
+    return waits_for_inputs(cuda.jit(**tile_bounds(tm))(matmul_transposed_rows))
 
 
 @cuda.jit(device=True)
@@ -773,13 +891,17 @@ def _transposed_blocks(n: int, per_block: int) -> int:
 
 # ---- host wrappers: stream, a CUDA stream; rt, a course_lib.gpu.runtime.Runtime used instead when given ----
 
-def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool = False, norm=None):
+def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool = False, norm=None,
+                  norm_after=None):
     """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
     for any R >= 1 (made for R <= MAX_ROWS: many more rows are the tiled matmul's work, see `linear`): split-K
     launches (split_k_launches) through the partial sums [S, rows, N] of `partial_sums` (see the top). accumulate:
     out += the product (out required: the residual stream), in the reduction that writes it, without an add
     kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the norm computed by the matmul's blocks for one
-    row, by rms_norm first for more (NORMED_ROWS; the same bits either way)."""
+    row, by rms_norm first for more (NORMED_ROWS; the same bits either way). norm_after = (gamma [N] float32, eps,
+    h [R, N]) with accumulate: also h = RMSNorm(out) * gamma, the next projection's input, by the epilogue of the
+    rows summed in tiles (add_norm_epilogue: one launch instead of two), by rms_norm for the others (the same
+    bits)."""
     (R, K), (K2, N) = a.shape, b.shape
     if R < 1:
         raise ValueError(f"matmul_narrow: a has {R} rows")
@@ -789,14 +911,24 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
         raise ValueError(f"matmul_narrow: out is {out.shape}, expected {(R, N)}")
     if accumulate and out is None:
         raise ValueError("matmul_narrow: accumulate adds the product to out: give out")
+    if norm_after is not None and not (accumulate and bias is None and norm_after[2].shape == (R, N)):
+        raise ValueError("matmul_narrow: norm_after normalizes the residual stream: accumulate, no bias, h [R, N]")
     out = empty((R, N), np.float32, stream, rt) if out is None else out
-    split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: kernel_for(
-                         "split_k", kind, rows, bias_kind, accumulate, normed, chunked, epilogue_only),
-                     a, b, bias, norm, (), (out,), stream, rt)
+    gamma, eps = norm_args(None if norm_after is None else norm_after[:2], N)
+    h = None if norm_after is None else norm_after[2]
+    left = split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: kernel_for(
+                                "split_k", kind, rows, bias_kind, accumulate, normed, chunked, epilogue_only),
+                            a, b, bias, norm, (), (out,), stream, rt, norm_after=(gamma, eps, h))
+    runs = []  # the rows no epilogue normalized, adjacent ranges joined: one rms_norm launch each
+    for lo, hi in left if h is not None else ():
+        runs[-1:] = [(runs[-1][0], hi)] if runs and runs[-1][1] == lo else runs[-1:] + [(lo, hi)]
+    for lo, hi in runs:
+        rms_norm(out[lo:hi], gamma, eps, out=h[lo:hi], stream=stream, rt=rt)
     return out
 
 
-def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None):
+def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None,
+                     norm_after=None):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
     scratch): kernel_of(rows, weight kind, bias kind, normed, chunked, epilogue_only)[grid, THREADS](a[part], gamma,
     eps, weights, bias, partial, done, *fixed, *(x[part] for x in sliced)).
@@ -812,8 +944,10 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     Every row gets the bits it gets alone. A norm is computed by the kernel for at most NORMED_ROWS rows, else by
     rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns per lane, or None for
     VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by
-    default; a fused kernel takes the slices of a matmul it replaces, and so its sums). See matmul_narrow for bias
-    and norm."""
+    default; a fused kernel takes the slices of a matmul it replaces, and so its sums). norm_after = (gamma, eps, h)
+    with h not None: the rows summed in tiles get add_norm_epilogue instead of kernel_of's epilogue (a residual
+    projection: sliced is (x,)). See matmul_narrow for bias and norm. -> the (lo, hi) row ranges whose epilogue did
+    not normalize them (all of them without norm_after)."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
@@ -821,6 +955,7 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
     tiles = width == VEC and -(-K // slices) <= TILE_SLICE  # many rows by tile_sums_kernel (a residue in a piece)
+    residue = uniform_residue(K, slices)
     parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows (a multiple of KERNEL_ROWS without tiles), then the rest
     while R - lo > KERNEL_ROWS:
         n = min(R - lo, LAUNCH_ROWS)
@@ -839,9 +974,12 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
                      stream=stream, rt=rt)
         norm = None
     gamma, eps = norm_args(norm, K)
+    left = []
     for lo, hi in parts:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
         n, args = hi - lo, (a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
+        if not (tiles and n > KERNEL_ROWS and norm_after is not None and norm_after[2] is not None):
+            left.append((lo, hi))
         if n <= KERNEL_ROWS:
             launch(kernel_of(n, kind, bias_kind, norm is not None, False, False), (groups, slices, 1), THREADS,
                    stream, rt, *args)
@@ -849,13 +987,19 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
             filled = [t for t in TILES if tile_rows(t) <= n] or [TILES[-1]]
             tile = next((t for t in filled if 2 * -(-N // (VEC * t[0])) * slices * -(-n // tile_rows(t)) >= sm_count()),
                         filled[-1])
-            launch(tile_sums_kernel(tile, kind), (-(-N // (VEC * tile[0])), slices, -(-n // tile_rows(tile))),
+            launch(tile_sums_kernel(tile, kind, residue), (-(-N // (VEC * tile[0])), slices, -(-n // tile_rows(tile))),
                    TILE_THREADS, stream, rt, a_rows, weights, partial[:, :n])
-            launch(kernel_of(KERNEL_ROWS, kind, bias_kind, False, True, True), (groups, 1, -(-n // KERNEL_ROWS)),
-                   THREADS, stream, rt, *args)
+            if (lo, hi) in left:
+                launch(kernel_of(KERNEL_ROWS, kind, bias_kind, False, True, True), (groups, 1, -(-n // KERNEL_ROWS)),
+                       THREADS, stream, rt, *args)
+            else:  # the residual added and the next norm in one launch, a block per row
+                after_gamma, after_eps, h = norm_after
+                launch(add_norm_epilogue, n, THREADS, stream, rt, partial[:, :n], rest[0], after_gamma, after_eps,
+                       h[lo:hi])
         else:
             launch(kernel_of(KERNEL_ROWS, kind, bias_kind, norm is not None, True, False),
                    (groups, slices, n // KERNEL_ROWS), THREADS, stream, rt, *args)
+    return left
 
 
 def norm_args(norm, K: int):
