@@ -311,7 +311,8 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
                    top_k: int | None = None, top_p: float | None = None, seed: int | list[int] | None = None,
                    chat: bool = False, backend="auto", stop: bool = True, pages: int | None = None,
                    max_running: int = 64, on_finish: Callable[[int, Generation], None] | None = None,
-                   on_step: Callable[[list[int]], None] | None = None) -> list[Generation]:
+                   on_step: Callable[[list[int]], None] | None = None,
+                   stats: dict | None = None) -> list[Generation]:
     """One Generation per prompt (a text, or a list of token ids), in the order of `prompts`.
 
     The arguments are those of course_lib.generate; seed: one for every sequence (each then gives what
@@ -320,9 +321,12 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
     enough for the max_running longest requests to run together); max_running: sequences decoded together at
     most.
     on_finish(index, generation) is called as each sequence ends; on_step(indices) before each decode step, with
-    the indices of the sequences it decodes (the scheduler's running set, as a timeline draws it). Bad prompts
-    (empty, out-of-range ids, longer than the context or than the whole cache with max_new_tokens) are reported
-    together, each by its index, before anything runs."""
+    the indices of the sequences it decodes (the scheduler's running set, as a timeline draws it). stats: a dict,
+    filled with the host's seconds of each decode step, in order: stats["queue"], queuing the step (its inputs
+    filled and sent, its graph launched), and stats["wait"], waiting for the tokens of the step before (a step
+    collected before a preemption adds one); the rest of a step's period is the scheduler's bookkeeping (bench).
+    Bad prompts (empty, out-of-range ids, longer than the context or than the whole cache with max_new_tokens) are
+    reported together, each by its index, before anything runs."""
     check_request(max_new_tokens, temperature, top_k, top_p, None)
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
@@ -358,12 +362,14 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
         name = "cuda (fused step, graph per batch size, continuous batching, pipelined steps)"
     else:
         runner, name = NumpyBatch(model, pages, longest), "numpy (continuous batching)"
-    return _continuous(model, seqs, runner, name, max_running, on_finish, on_step)
+    return _continuous(model, seqs, runner, name, max_running, on_finish, on_step, stats)
 
 
-def _continuous(model, seqs, runner, name, max_running, on_finish, on_step) -> list[Generation]:
+def _continuous(model, seqs, runner, name, max_running, on_finish, on_step, stats=None) -> list[Generation]:
     """The scheduler's loop: admit and prefill, queue one decode step for all, take the tokens of the step before,
-    finish, repeat."""
+    finish, repeat. stats: see generate_batch."""
+    if stats is not None:
+        stats.update(queue=[], wait=[])
     scheduler = Scheduler(runner.cache, max_running)
     scheduler.waiting.extend(seqs)
     results: dict[int, Generation] = {}
@@ -381,7 +387,11 @@ def _continuous(model, seqs, runner, name, max_running, on_finish, on_step) -> l
         if step is None:
             return
         stepped, handle = step
-        for seq, token in zip(stepped, runner.collect(handle), strict=True):
+        waited = time.perf_counter()
+        tokens = runner.collect(handle)
+        if stats is not None:
+            stats["wait"].append(time.perf_counter() - waited)
+        for seq, token in zip(stepped, tokens, strict=True):
             seq.in_flight -= 1
             if seq.stop_reason is None:
                 seq.take(token, time.perf_counter())
@@ -409,7 +419,10 @@ def _continuous(model, seqs, runner, name, max_running, on_finish, on_step) -> l
             feeds = [rows[seq.index] if seq.in_flight else -1 for seq in stepping]
             if on_step is not None:
                 on_step([seq.index for seq in stepping])
+            queued_at = time.perf_counter()
             step = (stepping, runner.start(stepping, feeds))
+            if stats is not None:
+                stats["queue"].append(time.perf_counter() - queued_at)
             for seq in stepping:
                 seq.in_flight += 1
         collect(queued)

@@ -136,6 +136,16 @@ def test_each_step_reports_the_sequences_it_decodes(tiny):
     assert steps == [[0, 1, 2], [0, 1, 2]]
 
 
+def test_stats_time_each_step_of_the_loop(tiny):
+    """stats: one queuing time per decode step (as many as on_step reports) and one wait per step collected (every
+    one: the last in the loop's last pass, which starts none), all non-negative seconds."""
+    steps, stats = [], {}
+    generate_batch(tiny, PROMPTS[:3], backend="numpy", max_new_tokens=4, stop=False, on_step=steps.append,
+                   stats=stats)
+    assert len(stats["queue"]) == len(steps) == 3 and len(stats["wait"]) == len(steps)
+    assert min(stats["queue"] + stats["wait"]) >= 0
+
+
 def _prefilled(cache, seq):
     """seq given its pages, as the prefill takes them."""
     seq.kv = PagedSequence(cache, seq.index, 64)

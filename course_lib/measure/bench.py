@@ -549,25 +549,30 @@ def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str =
     .batch) for each batch size B of `sizes`: B random prompts of `context` tokens, all admitted at once, greedy,
     8 + steps new tokens. The clock is read as each decode step starts (generate_batch's on_step): the last `steps`
     steps are timed, after the prefills, the first steps and the capture of the bucket's graph. same_text: the first
-    sequence gets the tokens it gets alone (B = 1). -> [{"batch", "tokens_per_s", "ms_per_step", "same_text"}]."""
+    sequence gets the tokens it gets alone (B = 1). queue_ms, wait_ms: the host's median time per timed step queuing
+    it and waiting for the tokens of the step before (generate_batch's stats; the rest of ms_per_step is the
+    scheduler's bookkeeping: a step whose wait is near zero found the GPU idle, waiting for the host).
+    -> [{"batch", "tokens_per_s", "ms_per_step", "queue_ms", "wait_ms", "same_text"}]."""
     from ..batch import generate_batch
 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, model.config.vocab_size, context).tolist() for _ in range(max(sizes))]
 
     def run(batch):
-        starts = []
+        starts, stats = [], {}
         outs = generate_batch(model, prompts[:batch], max_new_tokens=8 + steps, stop=False, backend="cuda",
-                              max_running=batch, on_step=lambda running: starts.append(time.perf_counter()))
+                              max_running=batch, on_step=lambda running: starts.append(time.perf_counter()),
+                              stats=stats)
         starts.append(time.perf_counter())  # the end of the last step (its tokens are back on the host)
-        return starts[-1] - starts[-1 - steps], outs[0].token_ids
+        host = {f"{part}_ms": 1e3 * float(np.median(stats[part][-steps:])) for part in ("queue", "wait")}
+        return starts[-1] - starts[-1 - steps], host, outs[0].token_ids
 
-    alone = run(1)[1]
+    alone = run(1)[2]
     rows = []
     for batch in sizes:
-        seconds, first = run(batch)
+        seconds, host, first = run(batch)
         rows.append({"batch": batch, "tokens_per_s": batch * steps / seconds, "ms_per_step": 1e3 * seconds / steps,
-                     "same_text": first == alone})
+                     **host, "same_text": first == alone})
     return rows
 
 
@@ -629,14 +634,20 @@ def batch_peers(config, batch: int, context: int = 64, steps: int = 64) -> dict[
 
 
 def format_batch(rows: list[dict], peers: dict | None = None, peer_batch: int | None = None) -> str:
-    lines = [f"{'batch':>6}{'tok/s':>11}{'ms/step':>9}{'x batch 1':>11}  same text as alone"]
+    host = all("wait_ms" in r for r in rows)  # records made before the host's split have none
+    lines = [f"{'batch':>6}{'tok/s':>11}{'ms/step':>9}{'x batch 1':>11}" + (f"{'queue':>8}{'wait':>8}" if host else "")
+             + "  same text as alone"]
     base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1), None)
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base:>10.1f}x" if base else f"{'':>11}"
-        lines.append(f"{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['ms_per_step']:>9.2f}{ratio}  "
+        split = f"{r['queue_ms']:>8.2f}{r['wait_ms']:>8.2f}" if host else ""
+        lines.append(f"{r['batch']:>6}{r['tokens_per_s']:>11.1f}{r['ms_per_step']:>9.2f}{ratio}{split}  "
                      f"{'yes' if r['same_text'] else 'NO'}")
     for mode, tps in (peers or {}).items():
         lines.append(f"torch {mode} at batch {peer_batch}: {tps:,.1f} tok/s (random weights, same shapes)")
     lines.append("tok/s: decode tokens of all sequences per second (generate_batch: the fused step of the batch "
                  "replayed as the CUDA graph of its bucket)")
+    if host:
+        lines.append("queue, wait: the host's ms per step queuing it and waiting for the step before's tokens; the "
+                     "rest of ms/step is the scheduler's bookkeeping")
     return "\n".join(lines)
