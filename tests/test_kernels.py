@@ -878,13 +878,14 @@ def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype
         nw.matmul_narrow(a_dev, b_dev, accumulate=True)
 
 
+@pytest.mark.parametrize("left", [nw.KERNEL_ROWS, nw.KERNEL_ROWS + 2])  # rows after the first launch
 @pytest.mark.parametrize("N", [72, 71])  # 16-byte loads (the epilogue normalizes), one element per load (rms_norm)
-def test_norm_after_the_residual_is_rms_norm_bit_for_bit(rng, N):
+def test_norm_after_the_residual_is_rms_norm_bit_for_bit(rng, N, left):
     """matmul_narrow(accumulate=True, norm_after=(gamma, eps, h)): x gets the bits of the plain accumulating matmul
     and h those of rms_norm(x) afterwards, for a launch of tiled rows (the add and the norm in one epilogue, a block
-    per row), then the rows of the launch left (4 rows: the split-K kernel, then rms_norm); without 16-byte loads,
-    the two launches and one rms_norm of all the rows."""
-    M, K = nw.LAUNCH_ROWS + nw.KERNEL_ROWS, 200
+    per row), then the rows left: 4 (the split-K kernel, then rms_norm) or 6 (a second tiled launch, its epilogue
+    writing h from row LAUNCH_ROWS on); without 16-byte loads, the launches and one rms_norm of all the rows."""
+    M, K = nw.LAUNCH_ROWS + left, 200
     a, b, _, want, tol = linear_case(rng, M, K, N, "bf16", None)
     x = randn(rng, M, N)
     gamma, eps = 1 + randn(rng, N, scale=0.1), np.float32(1e-5)
@@ -901,10 +902,11 @@ def test_norm_after_the_residual_is_rms_norm_bit_for_bit(rng, N):
     want_h = y / rms * gamma
     check(h.copy_to_host(), want_h, rms_norm_tolerance(want_h)
           + np.abs(gamma) * (tol_y + np.abs(y) * tol_y.max(1, keepdims=True) / rms) / rms)
+    tiled = ["split_k_tile_sums_vec", "add_norm_epilogue"]
     if N % 8 == 0:
-        assert rt.launched == ["split_k_tile_sums_vec", "add_norm_epilogue", "matmul_split_k_vec_add", "rms_norm_rows"]
-    else:  # a launch of chunks of rows, the rows left, then one norm of them all
-        assert rt.launched == ["matmul_split_k_add", "matmul_split_k_add", "rms_norm_rows"]
+        assert rt.launched == tiled + (["matmul_split_k_vec_add", "rms_norm_rows"] if left <= nw.KERNEL_ROWS else tiled)
+    else:  # launches of chunks of rows, the rows left, then one norm of them all
+        assert rt.launched[-1] == "rms_norm_rows" and set(rt.launched[:-1]) == {"matmul_split_k_add"}
     with pytest.raises(ValueError, match="norm_after"):
         nw.matmul_narrow(a_dev, b_dev, out=dev(x), norm_after=(gamma_dev, eps, h))
 
@@ -973,27 +975,42 @@ def test_matmul_transposed_rows_gives_each_row_its_bits_alone(rng, dtype, K):
 
 
 @pytest.mark.parametrize("K", [131, 40, 128])  # two slices of odd lengths (residues of two lengths), one short
-# slice (of whole residues), two slices of whole residues (their steps unrolled)
+# slice, slices of whole residues (their steps written out)
 def test_every_tile_sums_a_slice_with_the_same_bits(rng, K):
     """The slices' sums of a batch's rows (tile_sums_kernel) are the same bits whatever the tile, and with the
-    residue's length unrolled when every slice has it: each output is summed in the slice order of split_k_sums,
-    whichever thread and block hold it. They add up to a @ b."""
+    residues' steps written out (residue = uniform_residue) or walked by loops: each output is summed in the slice
+    order of split_k_sums, whichever thread and block hold it. The slices added in order give a row the bits of the
+    split-K kernel on that row alone, and add up to a @ b. With K = 128 also as one slice (S = 1), of several
+    pieces: the residues of the pieces after the first are not the slice's first."""
     M, N = 11, 48
     a, b = randn(rng, M, K), f32_to_bf16(randn(rng, K, N, scale=0.2))
-    S = nw.split_k(K, N, 32 * nw.VEC, nw.sm_count())
-    uniform = K % (S * nw.WARPS) == 0
     a_dev, words = dev(a), nw.words(dev(b))
-    sums = {}
-    for tile in nw.TILES:
-        for residue in (0, K // S // nw.WARPS) if uniform else (0,):
-            partial = poisoned((S, M, N))
-            grid = (-(-N // (nw.VEC * tile[0])), S, -(-M // nw.tile_rows(tile)))
-            nw.tile_sums_kernel(tile, "bf16x8", residue)[grid, nw.TILE_THREADS](a_dev, words, partial)
-            sums[tile, residue] = partial.copy_to_host()
+
+    def sums_of(tile, residue, S):
+        partial = poisoned((S, M, N))
+        grid = (-(-N // (nw.VEC * tile[0])), S, -(-M // nw.tile_rows(tile)))
+        nw.tile_sums_kernel(tile, "bf16x8", residue)[grid, nw.TILE_THREADS](a_dev, words, partial)
+        return partial.copy_to_host()
+
+    S = nw.split_k(K, N, 32 * nw.VEC, nw.sm_count())
+    residue = nw.uniform_residue(K, S)
+    assert (residue > 0) == (K == 128)
+    sums = {(tile, r): sums_of(tile, r, S) for tile in nw.TILES for r in {0, residue}}
     first = sums[nw.TILES[0], 0]
-    for (tile, residue), got in sums.items():
-        np.testing.assert_array_equal(got.view(np.uint32), first.view(np.uint32), err_msg=f"{tile}, {residue}")
+    for (tile, r), got in sums.items():
+        np.testing.assert_array_equal(got.view(np.uint32), first.view(np.uint32), err_msg=f"{tile}, residue {r}")
     check(first.sum(0), a @ bf16_to_f32(b), dot_tolerance(a, bf16_to_f32(b)))
+    for r in (0, M - 1):  # the slices added in order, as the epilogue adds them: the row's bits alone
+        total = first[0, r].copy()
+        for s in range(1, S):
+            total = total + first[s, r]
+        alone = nw.matmul_narrow(dev(a[r:r + 1]), dev(b), out=poisoned((1, N))).copy_to_host()
+        np.testing.assert_array_equal(total.view(np.uint32), alone[0].view(np.uint32), err_msg=f"row {r}")
+    if K == 128:
+        one = nw.uniform_residue(K, 1)
+        assert nw.WARPS * one > nw.TILE_PIECE  # more than one piece to the slice
+        np.testing.assert_array_equal(sums_of(nw.TILES[0], one, 1).view(np.uint32),
+                                      sums_of(nw.TILES[0], 0, 1).view(np.uint32))
 
 
 def test_split_k_slices_at_least_min():

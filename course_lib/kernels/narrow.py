@@ -262,7 +262,8 @@ def tile_step_for(tm):
     """The device function tile_step(ws, xs, t, u, r0, wv, acc) of the tile kernels: row t of K staged in shared
     memory, acc[r, c] += xs[t, r0 + r] * ws[t, c // 4, u, c % 4] for this thread's tm rows and VEC columns (wv: a
     local [VEC] for the weights), each sum one FMA further along K. xs's rows have a length that is a multiple of
-    QUAD and r0 is one: the tm activations come in 16-byte loads too (the compiler merges them)."""
+    QUAD: with tm = 4 (r0 then a multiple of QUAD) the activations come in one 16-byte load too (the compiler merges
+    them); with fewer rows a thread they are tm scalar loads."""
 
     @cuda.jit(device=True)
     def tile_step(ws, xs, t, u, r0, wv, acc):
@@ -359,7 +360,8 @@ def tile_sums_for(tx, tm, load, residue=0):
     order (residue 0's rows, then residue 1's, ...) is written once per block in shared memory (`order`); the
     weights and activations of whole residues, at most TILE_PIECE rows, are staged at a time, the next piece's
     loads in flight while the FMAs of this one run. Every weight staged serves the tile's rows, every activation its
-    columns: three 16-byte loads from shared memory for tm x VEC FMAs (tm = 4), and no test per row of K."""
+    columns: two 16-byte loads from shared memory for the weights, and the tm activations (one more 16-byte load
+    when tm = 4), for tm x VEC FMAs, and no test per row of K."""
     rows = TILE_THREADS // tx * tm  # the tile's rows
     pitch = rows + QUAD  # xs's row: a whole number of quads (16-byte loads)
     w_loads = TILE_PIECE * tx // TILE_THREADS  # the 16-byte loads of weights a thread stages per piece
@@ -934,10 +936,10 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     eps, weights, bias, partial, done, *fixed, *(x[part] for x in sliced)).
     - R <= KERNEL_ROWS: one launch of R rows.
     - More, with 16-byte loads (a batch's rows): launches of up to LAUNCH_ROWS rows, each two kernels: the slices'
-      sums of tiles of rows and columns (tile_sums_kernel, each weight read once per tile of rows; the largest tile
-      of TILES that still gives a block per SM), then the epilogue, a block per (group, KERNEL_ROWS rows)
-      (epilogue_only): in one kernel the last block of a tile would add its rows x columns x S slices alone, after
-      all the others.
+      sums of tiles of rows and columns (tile_sums_kernel, each weight read once per tile of rows; the first tile
+      of TILES whose rows the launch fills and that gives a block per two SMs), then the epilogue, a block per
+      (group, KERNEL_ROWS rows) (epilogue_only), or add_norm_epilogue with norm_after: in one kernel the last
+      block of a tile would add its rows x columns x S slices alone, after all the others.
     - More, one element per load (or slices longer than TILE_SLICE): launches of up to LAUNCH_ROWS rows, a multiple
       of KERNEL_ROWS, a block per chunk of KERNEL_ROWS rows (grid (groups, S, chunks), chunked), then one launch of
       the rows left.
