@@ -921,10 +921,7 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     left = split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: kernel_for(
                                 "split_k", kind, rows, bias_kind, accumulate, normed, chunked, epilogue_only),
                             a, b, bias, norm, (), (out,), stream, rt, norm_after=(gamma, eps, h))
-    runs = []  # the rows no epilogue normalized, adjacent ranges joined: one rms_norm launch each
-    for lo, hi in left if h is not None else ():
-        runs[-1:] = [(runs[-1][0], hi)] if runs and runs[-1][1] == lo else runs[-1:] + [(lo, hi)]
-    for lo, hi in runs:
+    for lo, hi in left if h is not None else ():  # the rows no epilogue normalized: one rms_norm per range
         rms_norm(out[lo:hi], gamma, eps, out=h[lo:hi], stream=stream, rt=rt)
     return out
 
@@ -949,7 +946,7 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     default; a fused kernel takes the slices of a matmul it replaces, and so its sums). norm_after = (gamma, eps, h)
     with h not None: the rows summed in tiles get add_norm_epilogue instead of kernel_of's epilogue (a residual
     projection: sliced is (x,)). See matmul_narrow for bias and norm. -> the (lo, hi) row ranges whose epilogue did
-    not normalize them (all of them without norm_after)."""
+    not normalize them (all of them without norm_after), adjacent ranges joined."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
@@ -980,7 +977,10 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     for lo, hi in parts:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
         n, args = hi - lo, (a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
-        if not (tiles and n > KERNEL_ROWS and norm_after is not None and norm_after[2] is not None):
+        normalizes = tiles and n > KERNEL_ROWS and norm_after is not None and norm_after[2] is not None
+        if not normalizes and left and left[-1][1] == lo:  # adjacent ranges joined
+            left[-1] = (left[-1][0], hi)
+        elif not normalizes:
             left.append((lo, hi))
         if n <= KERNEL_ROWS:
             launch(kernel_of(n, kind, bias_kind, norm is not None, False, False), (groups, slices, 1), THREADS,
@@ -991,13 +991,13 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
                         filled[-1])
             launch(tile_sums_kernel(tile, kind, residue), (-(-N // (VEC * tile[0])), slices, -(-n // tile_rows(tile))),
                    TILE_THREADS, stream, rt, a_rows, weights, partial[:, :n])
-            if (lo, hi) in left:
-                launch(kernel_of(KERNEL_ROWS, kind, bias_kind, False, True, True), (groups, 1, -(-n // KERNEL_ROWS)),
-                       THREADS, stream, rt, *args)
-            else:  # the residual added and the next norm in one launch, a block per row
+            if normalizes:  # the residual added and the next norm in one launch, a block per row
                 after_gamma, after_eps, h = norm_after
                 launch(add_norm_epilogue, n, THREADS, stream, rt, partial[:, :n], rest[0], after_gamma, after_eps,
                        h[lo:hi])
+            else:
+                launch(kernel_of(KERNEL_ROWS, kind, bias_kind, False, True, True), (groups, 1, -(-n // KERNEL_ROWS)),
+                       THREADS, stream, rt, *args)
         else:
             launch(kernel_of(KERNEL_ROWS, kind, bias_kind, norm is not None, True, False),
                    (groups, slices, n // KERNEL_ROWS), THREADS, stream, rt, *args)
