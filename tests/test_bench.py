@@ -99,3 +99,37 @@ def test_batch_step_profile_names_every_kernel_of_the_step(tiny):
     assert {name: count for name, count, _ in profile["kernels"]} == names and profile["rows"] == 1
     table = format_batch_profile(profile)
     assert all(name in table for name in names) and "1 sequences (1 rows)" in table
+
+
+def test_bench_batch_times_the_steps_up_to_the_last_sequence_end(monkeypatch):
+    """bench_batch's clock: from the start of the `steps`-th step before the end to the end of the last sequence
+    (on_finish), not to generate_batch's return, which also frees the runner's GPU memory. A fake generate_batch
+    on a fake clock: each step takes 2 ms, the sequences end with the last one, and the return comes 35 ms
+    later."""
+    from types import SimpleNamespace
+
+    from course_lib import batch
+    from course_lib.measure import bench
+
+    clock = [0.0]
+
+    def fake_generate_batch(model, prompts, *, max_new_tokens, on_step, on_finish, stats, **kw):
+        stats.update(queue=[], wait=[])
+        for _ in range(max_new_tokens - 1):  # the first token comes from the prefill
+            on_step(list(range(len(prompts))))
+            stats["queue"].append(0.0005)
+            stats["wait"].append(0.001)
+            clock[0] += 0.002
+        for i in range(len(prompts)):
+            on_finish(i, None)
+        clock[0] += 0.035  # the runner released
+        return [SimpleNamespace(token_ids=[7] * max_new_tokens) for _ in prompts]
+
+    monkeypatch.setattr(batch, "generate_batch", fake_generate_batch)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
+    rows = bench.bench_batch(model, [1, 4], steps=16)
+    for row, batch_size in zip(rows, [1, 4], strict=True):
+        assert row["batch"] == batch_size and row["same_text"]
+        assert row["ms_per_step"] == pytest.approx(2.0) and row["tokens_per_s"] == pytest.approx(batch_size / 0.002)
+        assert row["queue_ms"] == pytest.approx(0.5) and row["wait_ms"] == pytest.approx(1.0)
