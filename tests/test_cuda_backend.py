@@ -10,7 +10,7 @@ import pytest
 from checks import as_computed, logit_tolerance
 
 from course_lib import reference
-from course_lib.gpu.backend import FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
+from course_lib.gpu.backend import BATCHED, CHUNK_STEPS, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.paged_attention import chunk_unit, chunks_for
 
@@ -40,17 +40,17 @@ def test_logits_match_reference(request, model, weights, ops):
         assert np.abs(ours - ref).max() <= logit_tolerance(c, np.abs(ref).max())
 
 
-@pytest.mark.parametrize("ops", [PAGED, FUSED, ROW_DOT], ids=["paged", "fused", "row_dot"])
+@pytest.mark.parametrize("ops", [PAGED, FUSED, ROW_DOT, BATCHED], ids=["paged", "fused", "row_dot", "batched"])
 def test_decode_over_several_chunks_matches_reference(request, model, ops):
     """A decode step whose keys span several flash-decoding chunks, so the backend merges them (the merge kernel, or
-    each head's last block): the logits of the reference, to the derived tolerance. The cache's first n positions
-    are the reference's own keys and values, written into the backend's pages (a prefill of that many tokens would
-    take minutes in the simulator)."""
+    each head's last block; the batched step's chunks of two block steps): the logits of the reference, to the
+    derived tolerance. The cache's first n positions are the reference's own keys and values, written into the
+    backend's pages (a prefill of that many tokens would take minutes in the simulator)."""
     if SIMULATOR:
         model = request.getfixturevalue("tiny")
-    c = model.config
-    n = 2 * chunk_unit(c.head_dim) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
-    assert chunks_for(n + 1, c.n_kv_heads, c.head_dim)[1] >= 2
+    c, steps = model.config, CHUNK_STEPS[ops["chunks"]]
+    n = 2 * chunk_unit(c.head_dim, steps) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
+    assert chunks_for(n + 1, c.n_kv_heads, c.head_dim, steps=steps)[1] >= 2
     ref_model, rope = as_computed(model, "bf16"), reference.rope_tables(c, n + 1)
     cache = reference.KVCache(c, n + 1)
     reference.forward(ref_model.weights, c, np.random.default_rng(9).integers(0, c.vocab_size, n), cache, rope)
@@ -98,6 +98,11 @@ def test_fused_bias_needs_the_narrow_matmul(tiny):
 def test_fused_residual_needs_the_paged_step(tiny):
     with pytest.raises(ValueError, match="fused residual"):
         CudaBackend(tiny, 4, ops={"matmul": "narrow", "residual": "fused"})
+
+
+def test_chunks_of_two_steps_need_the_paged_cache(tiny):
+    with pytest.raises(ValueError, match="chunks='two_steps' is flash-decoding's"):
+        CudaBackend(tiny, 4, ops={"matmul": "narrow", "chunks": "two_steps"})
 
 
 @pytest.mark.parametrize("attention,kernels", [("two_kernels", ["flash_decode_chunks", "merge_chunks"]),

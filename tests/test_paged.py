@@ -227,27 +227,28 @@ def paged_case(rng, T, H, Hkv, hd, n, dtype, page_size, spare_pages=3):
     return q, k, v, page_table, positions, k_log, v_log
 
 
-def run_flash(q, k, v, page_table, positions, page_size, max_len=None, one_launch=False):
+def run_flash(q, k, v, page_table, positions, page_size, max_len=None, one_launch=False, steps=pa.CHUNK_STEPS):
     T, H, hd = q.shape
     out = dev(np.full((T, H, hd), np.nan, np.float32))
     return pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page_size,
-                              max_len=max_len, out=out, one_launch=one_launch).copy_to_host()
+                              max_len=max_len, out=out, one_launch=one_launch, chunk_steps=steps).copy_to_host()
 
 
-def rescales(n, Hkv, hd):
+def rescales(n, Hkv, hd, steps=pa.CHUNK_STEPS):
     """How many factors exp(m_old - m_new) can multiply a weight p: one per later step of its team in the chunk,
     one per shuffle round merging the teams of a warp (at most 5), one for the warps, then in merge_chunks one per
     later round of its component's thread (MERGE_UNROLL chunks each)."""
-    length, chunks = pa.chunks_for(n, Hkv, hd)
+    length, chunks = pa.chunks_for(n, Hkv, hd, steps=steps)
     return -(-length // pa.tile_keys(hd)) + 5 + 1 + -(-chunks // pa.MERGE_UNROLL)
 
 
-def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4):
+def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4, steps=pa.CHUNK_STEPS):
     q, k, v, page_table, positions, k_log, v_log = paged_case(rng, T, H, Hkv, hd, n, dtype, page_size)
-    got = run_flash(q, k, v, page_table, positions, page_size, max_len=n)
+    got = run_flash(q, k, v, page_table, positions, page_size, max_len=n, steps=steps)
     want = R.attention(q.astype(np.float64), k_log.astype(np.float64), v_log.astype(np.float64), positions)
-    tiles = rescales(n, Hkv, hd)
-    check(got, want, flash_tolerance(q, k_log, v_log, positions, tiles), f"n={n} {dtype} T={T} H={H} Hkv={Hkv}")
+    tiles = rescales(n, Hkv, hd, steps)
+    check(got, want, flash_tolerance(q, k_log, v_log, positions, tiles),
+          f"n={n} {dtype} T={T} H={H} Hkv={Hkv} steps={steps}")
 
 
 @pytest.mark.parametrize("H,Hkv,hd", [(2, 2, 16), (3, 1, 16)])  # GQA groups of 1 and 3
@@ -255,6 +256,19 @@ def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4):
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 300])  # one page, page boundaries, several chunks and steps
 def test_flash_decode(rng, n, dtype, H, Hkv, hd):
     check_flash(rng, 1, H, Hkv, hd, n, dtype)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_flash_batch_chunks(rng, n):
+    """A batch's chunks, BATCH_CHUNK_STEPS block steps long: n chunks, each of several steps (the last of one step and
+    a few keys), merged; against the float64 reference, for a decode's query and a prefill's three."""
+    hd, Hkv = 16, 1
+    unit = pa.chunk_unit(hd, pa.BATCH_CHUNK_STEPS)
+    assert pa.BATCH_CHUNK_STEPS > 1 and unit == pa.BATCH_CHUNK_STEPS * pa.tile_keys(hd)
+    keys = (n - 1) * unit + pa.tile_keys(hd) + 5
+    assert pa.chunks_for(keys, Hkv, hd, steps=pa.BATCH_CHUNK_STEPS) == (unit, n)
+    for T in (1, 3):
+        check_flash(rng, T, 3, Hkv, hd, keys, "bf16", page_size=16, steps=pa.BATCH_CHUNK_STEPS)
 
 
 @pytest.mark.parametrize("H,Hkv,hd,dtype", [(2, 2, 16, "bf16"), (3, 1, 16, "f32")])

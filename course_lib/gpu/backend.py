@@ -54,6 +54,9 @@ OP_CHOICES = {
     # flash-decoding: the chunks, then a merge kernel | one kernel, the last chunk of each head to finish merges
     # (notebook 05)
     "attention": ("two_kernels", "one_kernel"),
+    # flash-decoding's chunks of keys: whole block steps, as many chunks as fill the GPU for one sequence | whole
+    # pairs of steps (a batch: its rows fill the GPU, and each chunk past the first costs a merge; notebook 07)
+    "chunks": ("one_step", "two_steps"),
     # the decode step's projections: split-K over [K, N] weights (partial sums, then each column group's last block
     # adds them) | a warp per pair of outputs over [N, K] weight rows, one pass, the first weights loaded before
     # waiting for the inputs (kernels/row_dot; notebook 05)
@@ -67,8 +70,9 @@ PAGED = NARROW | {"kv_cache": "paged"}
 FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused"}
 ROW_DOT = FUSED | {"projection": "row_dot"}
 # the batched step (course_lib.batch.CudaBatch): a row's bits must not depend on the batch, and the transposed
-# kernel's team of lanes per logit does not tile over many rows
-BATCHED = FUSED | {"logits": "rows"}
+# kernel's team of lanes per logit does not tile over many rows; chunks of keys for many rows
+BATCHED = FUSED | {"logits": "rows", "chunks": "two_steps"}
+CHUNK_STEPS = {"one_step": k_paged.CHUNK_STEPS, "two_steps": k_paged.BATCH_CHUNK_STEPS}  # op chunks -> block steps
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -83,8 +87,9 @@ def resolve_ops(ops: dict | None) -> dict:
         raise ValueError("the paged cache comes after the narrow matmul: use matmul='narrow' with it")
     if chosen["bias"] == "fused" and chosen["matmul"] != "narrow":
         raise ValueError("a fused bias is added by the narrow matmul's reduction: use matmul='narrow' with it")
-    if chosen["attention"] == "one_kernel" and chosen["kv_cache"] != "paged":
-        raise ValueError("attention in one kernel is flash-decoding's: use kv_cache='paged' with it")
+    for op in ("attention", "chunks"):
+        if chosen[op] != OP_CHOICES[op][0] and chosen["kv_cache"] != "paged":
+            raise ValueError(f"{op}={chosen[op]!r} is flash-decoding's: use kv_cache='paged' with it")
     if chosen["norm"] == "fused" and chosen["logits"] == "transpose":
         raise ValueError("a fused norm is computed by the logits' kernel too, a transposed one: use "
                          "logits='transposed' or 'rows' with it")
@@ -263,7 +268,8 @@ class CudaBackend:
         table, seq_of_row = tables if isinstance(tables, tuple) else (tables, None)
         return k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table, pos_d, PAGE_SIZE, max_len=max_len,
                                        out=rt.empty((T, c.n_heads, c.head_dim), name="attn"), rt=rt,
-                                       one_launch=one_launch, seq_of_row=seq_of_row)
+                                       one_launch=one_launch, seq_of_row=seq_of_row,
+                                       chunk_steps=CHUNK_STEPS[self.ops["chunks"]])
 
     def _attention_inputs(self, rt, x, normed, lw, i, pos_d, slots_d, T):
         """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm (unless `normed`

@@ -37,6 +37,8 @@ Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whol
 length depends only on n, Hkv, hd and the GPU (never on T), and so does the merge, which counts the query's own
 chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's x is
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
+A batched generator's passes all take chunks of BATCH_CHUNK_STEPS steps instead (flash_attention's chunk_steps): its
+many rows fill the GPU without more chunks, and each chunk past the first costs a merge.
 
 Why these choices (the measurements behind them: notebook 04 and data/h200_kernel_notes.md): small layers are bound
 by fixed costs, not by bandwidth, so each kernel keeps many loads in flight and avoids chains of memory latencies.
@@ -70,6 +72,8 @@ WARPS = sized(8, 1)  # warps of a flash_decode_chunks block (the fastest of 2, 4
 THREADS = 32 * WARPS
 UNROLL = 4  # keys per team and step: 2 UNROLL 16-byte groups of bf16 in flight per lane (4 UNROLL of float32)
 CHUNK_STEPS = 1  # a chunk is a whole number of this many steps of a block
+BATCH_CHUNK_STEPS = 2  # the same for a batched step (op chunks="two_steps"): its many rows already fill the GPU, and
+# every chunk past the first costs a merge (faster at 64 rows, slower for one sequence: notebook 07)
 BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastest of 2, 3 and 4 at 4k)
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
@@ -96,9 +100,11 @@ def chunk_target(n_kv_heads: int, sms: int | None = None) -> int:
     return max(1, min(MAX_CHUNKS, -(-BLOCKS_PER_SM * sms // n_kv_heads)))
 
 
-def chunks_for(n_keys: int, n_kv_heads: int, head_dim: int, sms: int | None = None) -> tuple[int, int]:
-    """(chunk length, number of chunks) of a query that sees n_keys keys (n_keys = position + 1)."""
-    length = chunk_len(n_keys, chunk_target(n_kv_heads, sms), chunk_unit(head_dim))
+def chunks_for(n_keys: int, n_kv_heads: int, head_dim: int, sms: int | None = None,
+               steps: int = CHUNK_STEPS) -> tuple[int, int]:
+    """(chunk length, number of chunks) of a query that sees n_keys keys (n_keys = position + 1), chunks of whole
+    groups of `steps` block steps (chunk_unit)."""
+    length = chunk_len(n_keys, chunk_target(n_kv_heads, sms), chunk_unit(head_dim, steps))
     return length, -(-n_keys // length)
 
 
@@ -162,10 +168,10 @@ def tile_keys(head_dim: int) -> int:
     return WARPS * (32 // team_size(head_dim)) * UNROLL
 
 
-def chunk_unit(head_dim: int) -> int:
-    """Chunk lengths are multiples of this: CHUNK_STEPS steps of a block (a short context gets one chunk, no
-    merge)."""
-    return CHUNK_STEPS * tile_keys(head_dim)
+def chunk_unit(head_dim: int, steps: int = CHUNK_STEPS) -> int:
+    """Chunk lengths are multiples of this: `steps` steps of a block (a short context gets one chunk, no merge).
+    CHUNK_STEPS for one sequence; BATCH_CHUNK_STEPS for a batch's rows, which fill the GPU without more chunks."""
+    return steps * tile_keys(head_dim)
 
 
 def _make_chunks(load8, group, head_dim, page_size):
@@ -457,7 +463,7 @@ def _chunks_kernels(dtype, group, head_dim, page_size):
 
 
 def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_len=None, out=None, stream=0,
-                    rt=None, one_launch: bool = False, seq_of_row=None):
+                    rt=None, one_launch: bool = False, seq_of_row=None, chunk_steps: int = CHUNK_STEPS):
     """Causal GQA attention of one sequence through its page table: flash_decode_chunks, then merge_chunks; or,
     one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish). With
     seq_of_row [T] int32, the rows belong to several sequences: page_table is [S, P], one row per sequence, row t
@@ -471,6 +477,8 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     keys 0..positions[t], key j at row page_table[j // page_size] * page_size + j % page_size (each positions[t] <
     P * page_size, unchecked). max_len: an upper bound of max(positions) + 1 on the host (it sizes the grid; a
     larger one costs idle blocks, never changes the result); None reads positions back from the device (a sync).
+    chunk_steps: the chunks' block steps (chunk_unit); a query's bits depend on it, so every pass over a cache
+    takes the same.
     H a multiple of Hkv, G = H / Hkv <= MAX_GROUP, hd a multiple of 8 and <= MAX_HEAD_DIM, G hd <= MAX_GROUP_DIMS.
     -> out [T, H, hd] float32 (the same bits either way).
     """
@@ -496,7 +504,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     pages = page_table.shape[page_table.ndim - 1]  # (the simulator's shapes take no negative index)
     if max_len > pages * page_size:
         raise ValueError(f"flash_attention: max_len {max_len} > {pages} pages x {page_size}")
-    target, unit = chunk_target(Hkv), chunk_unit(hd)
+    target, unit = chunk_target(Hkv), chunk_unit(hd, chunk_steps)
     n_chunks = max(1, min(target, -(-max_len // unit)))  # at least the chunks of any query of the pass
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)
