@@ -101,11 +101,11 @@ def test_batch_step_profile_names_every_kernel_of_the_step(tiny):
     assert all(name in table for name in names) and "1 sequences (1 rows)" in table
 
 
-def test_bench_batch_times_the_steps_up_to_the_last_sequence_end(monkeypatch):
-    """bench_batch's clock: from the start of the `steps`-th step before the end to the end of the last sequence
-    (on_finish), not to generate_batch's return, which also frees the runner's GPU memory. A fake generate_batch
-    on a fake clock: each step takes 2 ms, the sequences end with the last one, and the return comes 35 ms
-    later."""
+def test_bench_batch_times_the_periods_between_step_starts(monkeypatch):
+    """bench_batch's clock: the last `steps` periods between decode step starts, each one step in steady state;
+    neither the first steps (the bucket's graph captured), nor the last step's drain, the sequences' finishing or
+    generate_batch's release of the runner's memory. A fake generate_batch on a fake clock: 7 slow first periods
+    (50 ms), then 2 ms each, and 41 ms between the last step's start and the return."""
     from types import SimpleNamespace
 
     from course_lib import batch
@@ -113,20 +113,18 @@ def test_bench_batch_times_the_steps_up_to_the_last_sequence_end(monkeypatch):
 
     clock = [0.0]
 
-    def fake_generate_batch(model, prompts, *, max_new_tokens, on_step, on_finish, stats, **kw):
+    def fake_generate_batch(model, prompts, *, max_new_tokens, on_step, stats, **kw):
         stats.update(queue=[], wait=[])
-        for _ in range(max_new_tokens - 1):  # the first token comes from the prefill
+        for step in range(max_new_tokens - 1):  # the first token comes from the prefill
             on_step(list(range(len(prompts))))
             stats["queue"].append(0.0005)
-            stats["wait"].append(0.001)
-            clock[0] += 0.002
-        for i in range(len(prompts)):
-            on_finish(i, None)
-        clock[0] += 0.035  # the runner released
+            stats["wait"].append(0.001 if step >= 7 else 0.03)
+            clock[0] += 0.002 if step >= 7 else 0.05
+        clock[0] += 0.041  # the last step drained, the sequences finished, the runner released
         return [SimpleNamespace(token_ids=[7] * max_new_tokens) for _ in prompts]
 
     monkeypatch.setattr(batch, "generate_batch", fake_generate_batch)
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
     rows = bench.bench_batch(model, [1, 4], steps=16)
     for row, batch_size in zip(rows, [1, 4], strict=True):

@@ -10,7 +10,7 @@ import pytest
 from checks import as_computed, logit_tolerance
 
 from course_lib import reference
-from course_lib.gpu.backend import BATCHED, CHUNK_STEPS, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
+from course_lib.gpu.backend import BATCHED, BLOCK_STEPS, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.paged_attention import chunk_unit, chunks_for
 
@@ -48,7 +48,7 @@ def test_decode_over_several_chunks_matches_reference(request, model, ops):
     backend's pages (a prefill of that many tokens would take minutes in the simulator)."""
     if SIMULATOR:
         model = request.getfixturevalue("tiny")
-    c, steps = model.config, CHUNK_STEPS[ops["chunks"]]
+    c, steps = model.config, BLOCK_STEPS[ops["chunks"]]
     n = 2 * chunk_unit(c.head_dim, steps) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
     assert chunks_for(n + 1, c.n_kv_heads, c.head_dim, steps=steps)[1] >= 2
     ref_model, rope = as_computed(model, "bf16"), reference.rope_tables(c, n + 1)

@@ -271,6 +271,27 @@ def test_flash_batch_chunks(rng, n):
         check_flash(rng, T, 3, Hkv, hd, keys, "bf16", page_size=16, steps=pa.BATCH_CHUNK_STEPS)
 
 
+@pytest.mark.parametrize("steps", [pa.CHUNK_STEPS, pa.BATCH_CHUNK_STEPS])
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_flash_grid_follows_the_chunk_steps(rng, monkeypatch, steps, one_launch):
+    """flash_attention launches a block per chunk of `steps` block steps (recorded, not run): one key past two
+    chunks of two steps is three chunks of one step each, or two of two; the merge counts them alike."""
+    hd, Hkv, page = 16, 1, 16
+    n = pa.chunk_unit(hd, pa.BATCH_CHUNK_STEPS) + 1
+    launches = []  # (grid, the kernel's arguments)
+    monkeypatch.setattr(pa, "launch", lambda kernel, grid, block, stream, rt, *args: launches.append((grid, args)))
+    q, k, v, page_table, positions, _, _ = paged_case(rng, 1, 3, Hkv, hd, n, "bf16", page)
+    pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page, max_len=n,
+                       one_launch=one_launch, chunk_steps=steps)
+    chunks, unit = pa.chunks_for(n, Hkv, hd, steps=steps)[1], pa.chunk_unit(hd, steps)
+    assert chunks == (2 if steps == pa.BATCH_CHUNK_STEPS else 3)
+    (grid, args), *merge = launches
+    assert grid == (chunks, Hkv, 1) and args[6] == unit  # (q, k, v, page_table, positions, target, unit, ...)
+    assert len(merge) == (0 if one_launch else 1)
+    for _, args in merge:  # merge_chunks(o, m, l, positions, target, unit, out): the chunks counted alike
+        assert args[5] == unit
+
+
 @pytest.mark.parametrize("H,Hkv,hd,dtype", [(2, 2, 16, "bf16"), (3, 1, 16, "f32")])
 @pytest.mark.parametrize("n", [3, 17, 100])
 def test_flash_prefill(rng, n, H, Hkv, hd, dtype):

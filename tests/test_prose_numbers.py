@@ -240,10 +240,10 @@ def test_batch_chunks_prose_quotes_its_runs():
     """Notebook 07, the batched generator's chunks of two block steps: the gain on random weights and the cost for
     one sequence (data/batch_step_end_h200.json), the real model's tokens/s and the peers in the same run, and the
     targets of "What is not done yet" (data/bench_batch_chunks_h200.json), every text as alone."""
-    from course_lib.gpu.backend import BATCHED, CHUNK_STEPS
+    from course_lib.gpu.backend import BATCHED, BLOCK_STEPS
     from course_lib.kernels import paged_attention as pa
 
-    assert CHUNK_STEPS[BATCHED["chunks"]] == pa.BATCH_CHUNK_STEPS == 2 and pa.CHUNK_STEPS == 1
+    assert BLOCK_STEPS[BATCHED["chunks"]] == pa.BATCH_CHUNK_STEPS == 2 and pa.CHUNK_STEPS == 1
     before = recorded("batch_step_end_h200.json")
     chunks = before["chunk_steps_random"]
     at_128, held = chunks["batch_64_prompt_128_graph_ms"], chunks["row_dot_held_ms_by_position"]
@@ -259,7 +259,7 @@ def test_batch_chunks_prose_quotes_its_runs():
     assert f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled" in text
     text = " ".join(markdown_cell("07", "## What is not done yet").split())
     assert f"({tps[64] / tps[1]:.1f} times in the last run)" in text
-    assert (f"({peers['graph']:,.0f} and {peers['compile+graph']:,.0f} tokens/s in the last run, against our "
+    assert (f"({peers['graph']:,.0f} and {peers['compile+graph']:,.0f} tokens/s in the last one, against our "
             f"{tps[64]:,.0f}: {100 * (1 - tps[64] / peers['graph']):.1f}% behind the graph") in text
     profile = before["profiles_random"]
     assert (f"{profile['64']['flash_decode_rows_ms']:.2f} -> {profile['128']['flash_decode_rows_ms']:.2f} ms a "

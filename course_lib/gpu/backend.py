@@ -72,7 +72,7 @@ ROW_DOT = FUSED | {"projection": "row_dot"}
 # the batched step (course_lib.batch.CudaBatch): a row's bits must not depend on the batch, and the transposed
 # kernel's team of lanes per logit does not tile over many rows; chunks of keys for many rows
 BATCHED = FUSED | {"logits": "rows", "chunks": "two_steps"}
-CHUNK_STEPS = {"one_step": k_paged.CHUNK_STEPS, "two_steps": k_paged.BATCH_CHUNK_STEPS}  # op chunks -> block steps
+BLOCK_STEPS = {"one_step": k_paged.CHUNK_STEPS, "two_steps": k_paged.BATCH_CHUNK_STEPS}  # op chunks -> a chunk's steps
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -269,7 +269,7 @@ class CudaBackend:
         return k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table, pos_d, PAGE_SIZE, max_len=max_len,
                                        out=rt.empty((T, c.n_heads, c.head_dim), name="attn"), rt=rt,
                                        one_launch=one_launch, seq_of_row=seq_of_row,
-                                       chunk_steps=CHUNK_STEPS[self.ops["chunks"]])
+                                       chunk_steps=BLOCK_STEPS[self.ops["chunks"]])
 
     def _attention_inputs(self, rt, x, normed, lw, i, pos_d, slots_d, T):
         """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm (unless `normed`

@@ -547,26 +547,25 @@ def format_bench(r: dict) -> str:
 def bench_batch(model, sizes, context: int = 64, steps: int = 64, weights: str = "bf16") -> list[dict]:
     """Aggregate decode throughput of generate_batch on the CUDA backend (the fused step over B sequences, course_lib
     .batch) for each batch size B of `sizes`: B random prompts of `context` tokens, all admitted at once, greedy,
-    8 + steps new tokens. The clock is read as each decode step starts (generate_batch's on_step) and as each sequence
-    ends (on_finish): the last `steps` steps are timed, after the prefills, the first steps and the capture of the
-    bucket's graph, up to the end of the last sequence (its last token back on the host), not to generate_batch's
-    return, which also releases the runner's GPU memory (weights, cache, graphs: about 35 ms on the H200, once per
-    call, not per step). same_text: the first sequence gets the tokens it gets alone (B = 1). queue_ms, wait_ms:
-    the host's median time per timed step queuing
-    it and waiting for the tokens of the step before (generate_batch's stats; the rest of ms_per_step is the
-    scheduler's bookkeeping: a step whose wait is near zero found the GPU idle, waiting for the host).
-    -> [{"batch", "tokens_per_s", "ms_per_step", "queue_ms", "wait_ms", "same_text"}]."""
+    9 + steps new tokens. The clock is read as each decode step starts (generate_batch's on_step), and the last
+    `steps` periods between step starts are timed, after the prefills, the first steps and the capture of the
+    bucket's graph: with the steps pipelined (the host queues step k + 1 while step k runs) each period is one step.
+    Not timed: the last step, drained with nothing queued behind it, the sequences' finishing, and generate_batch's
+    release of the runner's GPU memory (weights, cache, graphs) as it returns: once per call, not per step.
+    same_text: the first sequence gets the tokens it gets alone (B = 1). queue_ms, wait_ms: the host's median time
+    per timed step queuing it and waiting for the tokens of the step before (generate_batch's stats; the rest of
+    ms_per_step is the scheduler's bookkeeping: a step whose wait is near zero found the GPU idle, waiting for the
+    host). -> [{"batch", "tokens_per_s", "ms_per_step", "queue_ms", "wait_ms", "same_text"}]."""
     from ..batch import generate_batch
 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, model.config.vocab_size, context).tolist() for _ in range(max(sizes))]
 
     def run(batch):
-        starts, ends, stats = [], [], {}
-        outs = generate_batch(model, prompts[:batch], max_new_tokens=8 + steps, stop=False, backend="cuda",
+        starts, stats = [], {}
+        outs = generate_batch(model, prompts[:batch], max_new_tokens=9 + steps, stop=False, backend="cuda",
                               max_running=batch, on_step=lambda running: starts.append(time.perf_counter()),
-                              on_finish=lambda index, generation: ends.append(time.perf_counter()), stats=stats)
-        starts.append(ends[-1])  # the end of the last step: its tokens back on the host, the last sequence ended
+                              stats=stats)
         host = {f"{part}_ms": 1e3 * float(np.median(stats[part][-steps:])) for part in ("queue", "wait")}
         return starts[-1] - starts[-1 - steps], host, outs[0].token_ids
 
