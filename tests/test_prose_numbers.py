@@ -24,6 +24,16 @@ def markdown_cell(notebook: str, starts: str) -> str:
     return found[0]
 
 
+def prose(notebook: str, starts: str) -> str:
+    """The markdown cell of `notebook` that starts with `starts`, its whitespace runs made single spaces."""
+    return " ".join(markdown_cell(notebook, starts).split())
+
+
+def peers_quoted(peers: dict) -> str:
+    """How the prose quotes the PyTorch peers of a batched run."""
+    return f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled"
+
+
 def bench_rows(name: str = "bench_h200.json") -> dict:
     return {r["recipe"]: r for r in recorded(name)["rows"]}
 
@@ -157,7 +167,7 @@ def test_tiles_prose_quotes_their_run():
     [(_, sums_n, _)] = [k for k in after if k[0].startswith("split_k_tile_sums")]
     tps = {when: next(r["tokens_per_s"] for r in run[when]["bench_batch"] if r["batch"] == 64)
            for when in ("before", "after")}
-    text = " ".join(markdown_cell("07", "## Where the time goes now").split())
+    text = prose("07", "## Where the time goes now")
     assert (f"takes {run['after']['profile_64']['gpu_ms']:.2f} ms of GPU time instead of "
             f"{run['before']['profile_64']['gpu_ms']:.2f}") in text
     assert f"decodes {tps['after']:,.0f} tokens/s instead of {tps['before']:,.0f}" in text
@@ -175,13 +185,12 @@ def test_pipelined_prose_quotes_its_run():
     run = recorded("bench_batch_pipelined_h200.json")
     tps = {r["batch"]: r["tokens_per_s"] for r in run["batch"]}
     assert all(r["same_text"] for r in run["batch"]) and run["peer_batch"] == 64
-    text = " ".join(markdown_cell("07", "## Where the time goes now").split())
+    text = prose("07", "## Where the time goes now")
     assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[16]:,.0f} at 16, {tps[32]:,.0f} "
             f"at 32 and {tps[64]:,.0f} at 64 ({tps[64] / tps[1]:.1f} times batch 1)") in text
     wall = next(r["ms_per_step"] for r in run["batch"] if r["batch"] == 64)
     assert f"took {run['profile']['gpu_ms']:.2f} ms of GPU time and {wall:.2f} ms of wall time" in text
-    assert (f"did {run['peers']['graph']:,.0f} tokens/s with a graph and {run['peers']['compile+graph']:,.0f} "
-            "compiled") in text
+    assert peers_quoted(run["peers"]) in text
 
 
 def test_unrolled_tiles_prose_quotes_its_run():
@@ -199,14 +208,14 @@ def test_unrolled_tiles_prose_quotes_its_run():
     gpu = run["random_weights"]["profile_64"]["gpu_ms"]
     wall = next(r["ms_per_step"] for r in run["random_weights"]["batch"] if r["batch"] == 64)
     peers = run["real"]["peers"]
-    text = " ".join(markdown_cell("07", "## Where the time goes now").split())
+    text = prose("07", "## Where the time goes now")
     assert ("the (16, 2) tile takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), against {:.1f}, "
             "{:.1f}, {:.1f} and {:.1f} for the fastest tile".format(*new, *old)) in text
     assert f"took {gpu:.2f} ms of GPU time and {wall:.2f} ms of wall time" in text
     assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} at 64 "
             f"({tps[64] / tps[1]:.1f} times batch 1)") in text
-    assert f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled" in text
-    text = " ".join(markdown_cell("07", "## What is not done yet").split())
+    assert peers_quoted(peers) in text
+    text = prose("07", "## What is not done yet")
     assert f"the compiled peer, which did {peers['compile+graph']:,.0f} in an earlier run" in text
 
 
@@ -220,7 +229,7 @@ def test_step_end_prose_quotes_its_run():
     cli = run["bench_cli"][0]
     assert all(r["same_text"] for bench in run["bench_cli"] for r in bench["batch"]) and cli["steps"] == 200
     tps = {r["batch"]: r["tokens_per_s"] for r in cli["batch"]}
-    text = " ".join(markdown_cell("07", "## Where the time goes now").split())
+    text = prose("07", "## Where the time goes now")
     assert (f"takes {loop['graph_ms_below_128']:.2f} ms of GPU time up to position 128 and "
             f"{loop['graph_ms_past_128']:.2f} ms after it") in text
     assert (f"take {prof['128']['flash_decode_rows_ms']:.2f} ms of a step at a 128-token prompt instead of "
@@ -231,7 +240,7 @@ def test_step_end_prose_quotes_its_run():
     assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[16]:,.0f} at 16, {tps[32]:,.0f} at "
             f"32 and {tps[64]:,.0f} at 64 ({tps[64] / tps[1]:.1f} times batch 1)") in text
     peers = cli["peers"]
-    assert f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled" in text
+    assert peers_quoted(peers) in text
     sixty_four = [r["64"] for runs in run["bench_batch_64_steps"].values() for r in runs]
     assert f"a step of 64 sequences took {min(sixty_four):.2f} ms" in text and max(sixty_four) - min(sixty_four) < 0.01
 
@@ -251,13 +260,13 @@ def test_batch_chunks_prose_quotes_its_runs():
     run = recorded("bench_batch_chunks_h200.json")["bench"]
     assert all(r["same_text"] for r in run["batch"]) and run["steps"] == 200 and run["peer_batch"] == 64
     tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["batch"]}, run["peers"]
-    text = " ".join(markdown_cell("07", "## Where the time goes now").split())
+    text = prose("07", "## Where the time goes now")
     assert f"took {at_128['2']:.2f} ms instead of {at_128['1']:.2f}" in text
     assert f"where two cost up to {worst:.2f} ms a token between 300 and 1,000 keys" in text
     assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} "
             f"at 64 ({tps[64] / tps[1]:.1f} times batch 1)") in text
-    assert f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled" in text
-    text = " ".join(markdown_cell("07", "## What is not done yet").split())
+    assert peers_quoted(peers) in text
+    text = prose("07", "## What is not done yet")
     assert f"({tps[64] / tps[1]:.1f} times in the last run)" in text
     assert (f"({peers['graph']:,.0f} and {peers['compile+graph']:,.0f} tokens/s in the last one, against our "
             f"{tps[64]:,.0f}: {100 * (1 - tps[64] / peers['graph']):.1f}% behind the graph") in text
