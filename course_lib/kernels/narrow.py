@@ -72,7 +72,7 @@ from course_lib.kernels import (
 from course_lib.kernels import matmul as mm
 from course_lib.kernels.elementwise import rms_norm, row_rms, segment_sum
 from course_lib.kernels.overlap import inputs_ready, prefetch_l2, waits_for_inputs
-from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
+from course_lib.kernels.vector import aligned16, bf16x8, f32x8, shared_load16, store_quad, words
 
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
@@ -261,18 +261,28 @@ def tile_column(tx, u, c):
 def tile_step_for(tm):
     """The device function tile_step(ws, xs, t, u, r0, wv, acc) of the tile kernels: row t of K staged in shared
     memory, acc[r, c] += xs[t, r0 + r] * ws[t, c // 4, u, c % 4] for this thread's tm rows and VEC columns (wv: a
-    local [VEC] for the weights), each sum one FMA further along K. xs's rows have a length that is a multiple of
-    QUAD: with tm = 4 (r0 then a multiple of QUAD) the activations come in one 16-byte load too (the compiler merges
-    them); with fewer rows a thread they are tm scalar loads."""
+    local [VEC] for the weights), each sum one FMA further along K. The weights come in two 16-byte shared loads
+    (`shared_load16`: Numba alone reads an array one element at a time, and ten 4-byte loads for 16 FMAs left the
+    shared memory, not the FMA units, setting the pace); with tm = 4 (xs's rows then whole quads, r0 a multiple of
+    QUAD) the activations in one more, with fewer rows a thread in tm scalar loads."""
 
     @cuda.jit(device=True)
     def tile_step(ws, xs, t, u, r0, wv, acc):
-        for c in range(VEC):
-            wv[c] = ws[t, c // QUAD, u, c % QUAD]
-        for r in range(tm):
-            x = xs[t, r0 + r]
-            for c in range(VEC):
-                acc[r, c] += x * wv[c]
+        tx = ws.shape[2]
+        for h in range(QUADS):  # ws[t, h, u, :], the 16-byte step (t QUADS + h) tx + u of ws
+            w0, w1, w2, w3 = shared_load16(ws, (t * QUADS + h) * tx + u)
+            wv[QUAD * h], wv[QUAD * h + 1], wv[QUAD * h + 2], wv[QUAD * h + 3] = w0, w1, w2, w3
+        if tm == QUAD:  # xs[t, r0 .. r0 + 3]: pitch and r0 multiples of QUAD
+            xv = cuda.local.array(QUAD, dtype=float32)
+            xv[0], xv[1], xv[2], xv[3] = shared_load16(xs, (t * xs.shape[1] + r0) // QUAD)
+            for r in range(tm):
+                for c in range(VEC):
+                    acc[r, c] += xv[r] * wv[c]
+        else:
+            for r in range(tm):
+                x = xs[t, r0 + r]
+                for c in range(VEC):
+                    acc[r, c] += x * wv[c]
 
     return tile_step
 
@@ -361,9 +371,12 @@ def tile_sums_for(tx, tm, load, residue=0):
     weights and activations of whole residues, at most TILE_PIECE rows, are staged at a time, the next piece's
     loads in flight while the FMAs of this one run. Every weight staged serves the tile's rows, every activation its
     columns: two 16-byte loads from shared memory for the weights, and the tm activations (one more 16-byte load
-    when tm = 4), for tm x VEC FMAs, and no test per row of K."""
+    when tm = 4), for tm x VEC FMAs, and no test per row of K. The activations are fetched with a warp's lanes along
+    the slice order (the rows k0 + w + WARPS j of a row of a lie within a few lines; lanes along the rows of a read
+    32 lines an instruction), and the sums leave in 16-byte stores, whole sectors a warp (a lane's four adjacent
+    columns stored one by one left each sector written four times)."""
     rows = TILE_THREADS // tx * tm  # the tile's rows
-    pitch = rows + QUAD  # xs's row: a whole number of quads (16-byte loads)
+    pitch = rows + QUAD if tm >= QUAD else rows + 1  # xs's row: whole quads when a thread reads 4 rows at once
     w_loads = TILE_PIECE * tx // TILE_THREADS  # the 16-byte loads of weights a thread stages per piece
     x_loads = TILE_PIECE * rows // TILE_THREADS  # the activations
     step, fold = tile_step_for(tm), fold_for(tm)
@@ -372,9 +385,9 @@ def tile_sums_for(tx, tm, load, residue=0):
     @cuda.jit(device=True)
     def fetch(p0, n, order, a, b, v0, per_row, wbuf, xbuf):
         """This thread's loads of the n rows of slice order from position p0, into registers: weights
-        (tid + i TILE_THREADS = t tx + q: row order[p0 + t], group v0 + q), activations (= t rows + r: lanes
-        along the rows, so that their stores into xs do not conflict); zeros past the piece, the columns or the
-        rows."""
+        (tid + i TILE_THREADS = t tx + q: row order[p0 + t], group v0 + q), activations (= r TILE_PIECE + t: lanes
+        along the slice order; xs's pitch of rows + 1 keeps their stores along K free of bank conflicts when tm < 4);
+        zeros past the piece, the columns or the rows."""
         tid = cuda.threadIdx.x
         for i in range(w_loads):
             t, q = (tid + i * TILE_THREADS) // tx, (tid + i * TILE_THREADS) % tx
@@ -386,7 +399,7 @@ def tile_sums_for(tx, tm, load, residue=0):
                 for c in range(VEC):
                     wbuf[i, c] = float32(0)
         for i in range(x_loads):
-            t, r = (tid + i * TILE_THREADS) // rows, (tid + i * TILE_THREADS) % rows
+            t, r = (tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE
             xbuf[i] = a[r, order[p0 + t]] if t < n and r < a.shape[0] else float32(0)
 
     @cuda.jit(device=True)
@@ -428,7 +441,7 @@ def tile_sums_for(tx, tm, load, residue=0):
                     quad = QUADS * q + c // QUAD
                     ws[t, quad // tx, quad % tx, c % QUAD] = wbuf[i, c]
             for i in range(x_loads):
-                xs[(tid + i * TILE_THREADS) // rows, (tid + i * TILE_THREADS) % rows] = xbuf[i]
+                xs[(tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE] = xbuf[i]
             cuda.syncthreads()
             if w1 < WARPS:  # the next piece's loads, in flight during this piece's FMAs
                 w2 = min(WARPS, w1 + per_piece)
@@ -442,12 +455,13 @@ def tile_sums_for(tx, tm, load, residue=0):
                     for j in range(m + (1 if w < rem else 0)):
                         step(ws, xs, t0 + j, u, r0, wv, acc)
                     fold(acc, total, w == 0)  # the warps without rows add their zeros
-        for r in range(tm):
+        for r in range(tm):  # 16-byte stores: a warp's lanes write whole sectors (N is a multiple of VEC)
             if r0 + r < R:
-                for c in range(VEC):
-                    n = VEC * v0 + tile_column(tx, u, c)
+                for h in range(QUADS):
+                    n = VEC * v0 + tile_column(tx, u, QUAD * h)
                     if n < N:
-                        partial[s, r0 + r, n] = total[r, c]
+                        store_quad(partial, (s, r0 + r, n), total[r, QUAD * h], total[r, QUAD * h + 1],
+                                   total[r, QUAD * h + 2], total[r, QUAD * h + 3])
 
     return tile_sums
 
@@ -686,12 +700,17 @@ def transposed_rows_kernel(tile, kind):
             else:
                 for t in range(K - k0):
                     step(ws, xs, t, u, r0, wv, acc)
-        for r in range(tm):
+        for r in range(tm):  # a quad of columns in one 16-byte store where it is whole (out's rows: whole quads)
             if lo + r0 + r < R:
-                for c in range(VEC):
-                    n = n0 + tile_column(tx, u, c)
-                    if n < N:
-                        out[lo + r0 + r, n] = acc[r, c]
+                for h in range(QUADS):
+                    n = n0 + tile_column(tx, u, QUAD * h)
+                    if n + QUAD <= N and N % QUAD == 0:
+                        store_quad(out, (lo + r0 + r, n), acc[r, QUAD * h], acc[r, QUAD * h + 1],
+                                   acc[r, QUAD * h + 2], acc[r, QUAD * h + 3])
+                    else:
+                        for j in range(QUAD):
+                            if n + j < N:
+                                out[lo + r0 + r, n + j] = acc[r, QUAD * h + j]
 
     matmul_transposed_rows.__name__ = matmul_transposed_rows.__qualname__ = "matmul_transposed_rows"
     return waits_for_inputs(cuda.jit(**tile_bounds(tm))(matmul_transposed_rows))

@@ -1,4 +1,4 @@
-"""16-byte loads: one instruction brings four 32-bit words (eight bf16 weights, or four float32).
+"""16-byte loads and stores: one instruction moves four 32-bit words (eight bf16 weights, or four float32).
 
 Numba emits one load instruction per array element it reads and never merges neighbours into a wider load. A
 warp whose 32 lanes each read 4 bytes moves 128 bytes per instruction; with 16 bytes per lane it moves 512, and
@@ -12,6 +12,13 @@ In the simulator it is four plain reads of a flat array.
 
 `bf16x8(words, i)` and `f32x8(words, i)`: the 8 elements 8 i .. 8 i + 7 of a bf16 (uint16) or float32 array seen
 as uint32 words, widened to float32: one 16-byte load for bf16, two for float32.
+
+`shared_load16(arr, i)` -> the float32 arr[4 i : 4 i + 4] of a C-contiguous float32 array (shared memory, indexed
+as flat), and `store_quad(arr, (i, ..., j), a, b, c, d)`: arr[i, ..., j : j + 4] = a, b, c, d for a float32 array
+of any layout whose last axis is contiguous. Both are vector loads and stores in the compiler's own IR, not inline
+assembly, so they stay ordered with the barriers and the other accesses around them; the address must be 16-byte
+aligned. The tile kernels (kernels/narrow) read their staged weights with the first and write their sums with the
+second.
 """
 
 import numpy as np
@@ -35,8 +42,17 @@ def words(arr):
 if SIMULATOR:
     def load16(words, i):
         return words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3]
+
+    def shared_load16(arr, i):
+        flat = arr.reshape(arr.size)
+        return flat[4 * i], flat[4 * i + 1], flat[4 * i + 2], flat[4 * i + 3]
+
+    def store_quad(arr, index, a, b, c, d):
+        row = arr[index[:-1]]
+        row[index[-1]], row[index[-1] + 1], row[index[-1] + 2], row[index[-1] + 3] = a, b, c, d
 else:
     from llvmlite import ir
+    from numba.core import cgutils
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
@@ -59,6 +75,47 @@ else:
             return context.make_tuple(builder, result, [builder.extract_value(words4, j) for j in range(4)])
 
         return result(words, i), codegen
+
+    _F32x4 = ir.VectorType(ir.FloatType(), 4)
+
+    @intrinsic
+    def shared_load16(typingctx, arr, i):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and isinstance(i, types.Integer)):
+            return None
+        result = types.UniTuple(types.float32, 4)
+
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, value=args[0])
+            index = builder.sext(args[1], _I64) if args[1].type.width < 64 else args[1]
+            first = builder.gep(array.data, [builder.mul(index, ir.Constant(_I64, 4))])  # a float pointer derived
+            # from the shared array's: the compiler still knows the address space, and emits ld.shared.v4.f32
+            quad = builder.load(builder.bitcast(first, _F32x4.as_pointer(first.type.addrspace)), align=16)
+            return context.make_tuple(builder, result, [builder.extract_element(quad, ir.Constant(_I32, j))
+                                                        for j in range(4)])
+
+        return result(arr, i), codegen
+
+
+    @intrinsic
+    def store_quad(typingctx, arr, index, a, b, c, d):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and isinstance(index, types.BaseTuple)
+                and len(index) == arr.ndim and all(isinstance(t, types.Integer) for t in index)
+                and all(v == types.float32 for v in (a, b, c, d))):
+            return None
+
+        def codegen(context, builder, signature, args):
+            array_type, index_types = signature.args[0], signature.args[1].types
+            array = context.make_array(array_type)(context, builder, value=args[0])
+            at = [context.cast(builder, v, t, types.intp)
+                  for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_types)), index_types, strict=True)]
+            first = cgutils.get_item_pointer(context, builder, array_type, array, at, wraparound=False)
+            quad = ir.Constant(_F32x4, ir.Undefined)
+            for j, value in enumerate(args[2:]):
+                quad = builder.insert_element(quad, value, ir.Constant(_I32, j))
+            builder.store(quad, builder.bitcast(first, _F32x4.as_pointer(first.type.addrspace)), align=16)
+            return context.get_dummy_value()
+
+        return types.void(arr, index, a, b, c, d), codegen
 
 
 @cuda.jit(device=True)
