@@ -23,6 +23,7 @@ from course_lib.kernels import copy as copy_k
 from course_lib.kernels import elementwise as ew
 from course_lib.kernels import matmul as mm
 from course_lib.kernels import narrow as nw
+from course_lib.kernels import vector as vec
 from course_lib.model.config import LLAMA_32_1B, SMOLLM2_135M, ModelConfig
 from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16
 
@@ -972,6 +973,37 @@ def test_matmul_transposed_rows_gives_each_row_its_bits_alone(rng, dtype, K):
         np.testing.assert_array_equal(got[r:r + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {r}")
     with pytest.raises(ValueError, match="expected"):
         nw.matmul_transposed_rows(dev(a[:, :K - 1]), dev(b))
+
+
+@cuda.jit
+def _quads_through_shared(src, out, lo):
+    """Each thread t < 6: quad t of src staged in shared memory, read back by shared_load16, written by store_quad to
+    out[:, lo:][t // 3, t % 3 // 2, 4 (t % 2) ..] (a view whose rows are strided)."""
+    staged = cuda.shared.array((6, 4), dtype=np.float32)
+    t = cuda.threadIdx.x
+    if t < 6:
+        for j in range(4):
+            staged[t, j] = src[4 * t + j]
+    cuda.syncthreads()
+    if t < 6:
+        a, b, c, d = vec.shared_load16(staged, t)
+        view = out[:, lo:]
+        vec.store_quad(view, (t // 3, t % 3 // 2, 4 * (t % 2)), a, b, c, d)
+
+
+def test_shared_load16_and_store_quad():
+    """The 16-byte shared load reads quad i of a shared array; the 16-byte store writes four floats at an element's
+    address in a strided view, and nothing else: the rest of the poisoned output keeps its poison."""
+    src = np.arange(24, dtype=np.float32) + 0.5
+    out = poisoned((2, 5, 8))
+    _quads_through_shared[1, 32](dev(src), out, 3)
+    got = out.copy_to_host()
+    expected = np.full_like(got, np.nan)
+    for t in range(6):
+        expected[t // 3, 3 + t % 3 // 2, 4 * (t % 2):4 * (t % 2) + 4] = src[4 * t:4 * t + 4]
+    written = ~np.isnan(expected)
+    np.testing.assert_array_equal(got[written], expected[written])
+    assert np.isnan(got[~written]).all() and written.sum() == 24
 
 
 @pytest.mark.parametrize("K", [131, 40, 128])  # two slices of odd lengths (residues of two lengths), one short
