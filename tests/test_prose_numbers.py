@@ -304,5 +304,9 @@ def test_vector_tiles_prose_quotes_its_run():
     assert (f"{min(each):.1f} to {max(each):.1f} µs each inside the step's graph, {share:.2f} ms of its "
             f"{marginal['after']['graph_ms']:.2f}") in text
     assert f"({tps[64] / tps[1]:.1f} times in the last run)" in text and tps[64] / tps[1] < 30
+    words = run["words_staging"]
+    assert words["alone_bits"] and f"{words['registers']} registers instead of the 128" in prose("07", "## Where")
+    assert ("tile then takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), with the same "
+            "bits".format(*(words["tiles_64_rows"][s] for s in shapes))) in prose("07", "## Where")
     assert (f"({tps[64]:,.0f} tokens/s against {peers['graph']:,.0f} and {peers['compile+graph']:,.0f})" in text
             and tps[64] > max(peers.values()))

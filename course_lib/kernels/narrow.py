@@ -52,7 +52,7 @@ Kernels are built on first use by factories, one per (R, weight kind), and kept 
 import functools
 
 import numpy as np
-from numba import float32, int32
+from numba import float32, int32, uint32
 
 from course_lib.kernels import (
     SIMULATOR,
@@ -72,7 +72,7 @@ from course_lib.kernels import (
 from course_lib.kernels import matmul as mm
 from course_lib.kernels.elementwise import rms_norm, row_rms, segment_sum
 from course_lib.kernels.overlap import inputs_ready, prefetch_l2, waits_for_inputs
-from course_lib.kernels.vector import aligned16, bf16x8, f32x8, shared_load16, store_quad, words
+from course_lib.kernels.vector import aligned16, bf16x8, f32x8, load16, shared_load16, store_quad, weight_of_word, words
 
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
@@ -353,11 +353,11 @@ def uniform_residue(K: int, S: int) -> int:
 
 
 @functools.cache
-def tile_sums_for(tx, tm, load, residue=0):
+def tile_sums_for(tx, tm, wide, residue=0):
     """The device function tile_sums(g, s, a, b, partial): slice s of K of a tile of a batch's rows, a [R, K] @
     b [K, N] for the VEC tx columns of tile g and the rows of a (a chunk of at most TILE_THREADS // tx * tm rows),
-    into partial[s] [R, N], with the bits of split_k_sums (16-byte loads: load(b, k, v, per_row) gives the VEC
-    weights of row k, columns VEC v ..; no norm). The slice's residues must each fit in a piece (see below).
+    into partial[s] [R, N], with the bits of split_k_sums (b: the uint32 words of float32 weights when wide, of bf16
+    ones else, read 16 bytes a load; no norm). The slice's residues must each fit in a piece (see below).
     residue: uniform_residue(K, S), the rows of every residue when they are all the same and a piece holds a whole
     number of them (a compile-time constant: the piece's steps are written out, `residues_for`), or 0: the residues
     computed per slice, walked by loops.
@@ -374,7 +374,11 @@ def tile_sums_for(tx, tm, load, residue=0):
     when tm = 4), for tm x VEC FMAs, and no test per row of K. The activations are fetched with a warp's lanes along
     the slice order (the rows k0 + w + WARPS j of a row of a lie within a few lines; lanes along the rows of a read
     32 lines an instruction), and the sums leave in 16-byte stores, whole sectors a warp (a lane's four adjacent
-    columns stored one by one left each sector written four times)."""
+    columns stored one by one left each sector written four times). The next piece's weights wait in registers as
+    the words loaded (`weight_of_word` widens them as they are stored into ws): half the registers for bf16, and no
+    instruction that needs them until this piece's FMAs are issued."""
+    units = 2 if wide else 1  # 16-byte loads per VEC weights
+    raw = QUAD * units  # their uint32 words
     rows = TILE_THREADS // tx * tm  # the tile's rows
     pitch = rows + QUAD if tm >= QUAD else rows + 1  # xs's row: whole quads when a thread reads 4 rows at once
     w_loads = TILE_PIECE * tx // TILE_THREADS  # the 16-byte loads of weights a thread stages per piece
@@ -392,12 +396,13 @@ def tile_sums_for(tx, tm, load, residue=0):
         for i in range(w_loads):
             t, q = (tid + i * TILE_THREADS) // tx, (tid + i * TILE_THREADS) % tx
             if t < n and v0 + q < per_row:
-                wts = load(b, order[p0 + t], v0 + q, per_row)
-                for c in range(VEC):
-                    wbuf[i, c] = wts[c]
+                for h in range(units):  # 16-byte step units (k per_row + v) + h of b
+                    w0, w1, w2, w3 = load16(b, units * (order[p0 + t] * per_row + v0 + q) + h)
+                    wbuf[i, QUAD * h], wbuf[i, QUAD * h + 1], wbuf[i, QUAD * h + 2], wbuf[i, QUAD * h + 3] = \
+                        w0, w1, w2, w3
             else:
-                for c in range(VEC):
-                    wbuf[i, c] = float32(0)
+                for c in range(raw):
+                    wbuf[i, c] = uint32(0)
         for i in range(x_loads):
             t, r = (tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE
             xbuf[i] = a[r, order[p0 + t]] if t < n and r < a.shape[0] else float32(0)
@@ -411,7 +416,7 @@ def tile_sums_for(tx, tm, load, residue=0):
         acc = cuda.local.array((tm, VEC), dtype=float32)
         total = cuda.local.array((tm, VEC), dtype=float32)
         wv = cuda.local.array(VEC, dtype=float32)
-        wbuf = cuda.local.array((w_loads, VEC), dtype=float32)
+        wbuf = cuda.local.array((w_loads, raw), dtype=uint32)  # the words of a row's VEC weights
         xbuf = cuda.local.array(x_loads, dtype=float32)
         R, K, N, S = a.shape[0], a.shape[1], partial.shape[2], partial.shape[0]
         tid = cuda.threadIdx.x
@@ -439,7 +444,7 @@ def tile_sums_for(tx, tm, load, residue=0):
                 t, q = (tid + i * TILE_THREADS) // tx, (tid + i * TILE_THREADS) % tx
                 for c in range(VEC):  # column VEC q + c of the tile, in quad 2 q + c // 4
                     quad = QUADS * q + c // QUAD
-                    ws[t, quad // tx, quad % tx, c % QUAD] = wbuf[i, c]
+                    ws[t, quad // tx, quad % tx, c % QUAD] = weight_of_word(wbuf[i, c if wide else c // 2], c, wide)
             for i in range(x_loads):
                 xs[(tid + i * TILE_THREADS) % TILE_PIECE, (tid + i * TILE_THREADS) // TILE_PIECE] = xbuf[i]
             cuda.syncthreads()
@@ -581,9 +586,8 @@ def tile_sums_kernel(tile, kind, residue=0):
     there): the slices' sums of a batch's rows into partial, a block per (tile of columns, slice, chunk of rows);
     the epilogue is another launch (epilogue_only)."""
     tx, tm = tile
-    _, load, _ = SPLIT_K_LOADS[kind]
     units = 2 if kind == "f32x8" else 1  # 16-byte units per VEC weights
-    sums = tile_sums_for(tx, tm, load, residue)
+    sums = tile_sums_for(tx, tm, kind == "f32x8", residue)
     rows = TILE_THREADS // tx * tm
 
     def split_k_tile_sums(a, b, partial):

@@ -59,15 +59,23 @@ else:
     _I32, _I64 = ir.IntType(32), ir.IntType(64)
     _PTX = "{ .reg .u64 p; cvta.to.global.u64 p, $4; ld.global.nc.v4.u32 {$0, $1, $2, $3}, [p]; }"
 
+    def _indexed(arr, i, dtype) -> bool:
+        """arr is an array of dtype and i an integer: the arguments a 16-byte access takes."""
+        return isinstance(arr, types.Array) and arr.dtype == dtype and isinstance(i, types.Integer)
+
+    def _array_and_step(context, builder, signature, args):
+        """The array of a 16-byte access (args[0]) and its step (args[1]) as a 64-bit integer."""
+        array = context.make_array(signature.args[0])(context, builder, value=args[0])
+        return array, builder.sext(args[1], _I64) if args[1].type.width < 64 else args[1]
+
     @intrinsic
     def load16(typingctx, words, i):
-        if not (isinstance(words, types.Array) and words.dtype == types.uint32 and isinstance(i, types.Integer)):
+        if not _indexed(words, i, types.uint32):
             return None
         result = types.UniTuple(types.uint32, 4)
 
         def codegen(context, builder, signature, args):
-            array = context.make_array(signature.args[0])(context, builder, value=args[0])
-            index = builder.sext(args[1], _I64) if args[1].type.width < 64 else args[1]
+            array, index = _array_and_step(context, builder, signature, args)
             address = builder.add(builder.ptrtoint(array.data, _I64), builder.mul(index, ir.Constant(_I64, 16)))
             asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64]), _PTX,
                                "=r,=r,=r,=r,l", side_effect=False)
@@ -80,13 +88,12 @@ else:
 
     @intrinsic
     def shared_load16(typingctx, arr, i):
-        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and isinstance(i, types.Integer)):
+        if not _indexed(arr, i, types.float32):
             return None
         result = types.UniTuple(types.float32, 4)
 
         def codegen(context, builder, signature, args):
-            array = context.make_array(signature.args[0])(context, builder, value=args[0])
-            index = builder.sext(args[1], _I64) if args[1].type.width < 64 else args[1]
+            array, index = _array_and_step(context, builder, signature, args)
             first = builder.gep(array.data, [builder.mul(index, ir.Constant(_I64, 4))])  # a float pointer derived
             # from the shared array's: the compiler still knows the address space, and emits ld.shared.v4.f32
             quad = builder.load(builder.bitcast(first, _F32x4.as_pointer(first.type.addrspace)), align=16)
@@ -94,7 +101,6 @@ else:
                                                         for j in range(4)])
 
         return result(arr, i), codegen
-
 
     @intrinsic
     def store_quad(typingctx, arr, index, a, b, c, d):
@@ -122,6 +128,17 @@ else:
 def bf16_high(w):
     """The float32 value of the bf16 in the high half of w (the second of the two uint16)."""
     return cuda.libdevice.int_as_float(w & uint32(0xFFFF0000))
+
+
+@cuda.jit(device=True)
+def weight_of_word(w, e, wide):
+    """Element e of a group of 8 weights, from the uint32 word w that holds it: word e of 8 float32 (wide), or word
+    e // 2 of 8 bf16 packed two to a word, the low half first. A kernel that stages weights keeps the loaded words
+    and widens them only where it stores them: a register holds two bf16 until then, and no instruction waits for
+    a load right after issuing it."""
+    if wide:
+        return cuda.libdevice.int_as_float(w)
+    return bf16_weight(w) if e % 2 == 0 else bf16_high(w)
 
 
 @cuda.jit(device=True)
