@@ -304,6 +304,14 @@ def test_vector_tiles_prose_quotes_its_run():
     assert (f"{min(each):.1f} to {max(each):.1f} µs each inside the step's graph, {share:.2f} ms of its "
             f"{marginal['after']['graph_ms']:.2f}") in text
     assert f"({tps[64] / tps[1]:.1f} times in the last run)" in text and tps[64] / tps[1] < 30
+    from course_lib.measure import accounting
+    from course_lib.model.config import SMOLLM2_135M
+
+    bandwidth = recorded("bench_h200.json")["bound_bandwidth"]
+    ms = {r["batch"]: r["ms_per_step"] for r in run["bench"]["batch"]}
+    bound_ms = {b: 1e3 * accounting.decode_cost(SMOLLM2_135M, 164, batch=b).bytes / bandwidth for b in (1, 64)}
+    assert (f"{ms[1]:.2f} ms alone, {ms[64]:.2f} ms among 64 sequences, where the bandwidth bound allows "
+            f"{bound_ms[1]:.2f} ms and {bound_ms[64]:.2f} ms") in prose("07", "The last recorded run of")
     words = run["words_staging"]
     assert words["alone_bits"] and f"{words['registers']} registers instead of the 128" in prose("07", "## Where")
     assert ("tile then takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), with the same "
