@@ -11,12 +11,16 @@ import pytest
 GPU_SUITE = {"test_kernels.py", "test_paged.py", "test_cuda_backend.py", "test_paged_backend.py", "test_recipes.py",
              "test_tolerances.py", "test_generate.py", "test_kernel_cache.py", "test_cache_equality.py",
              "test_batch.py", "test_fused.py", "test_row_dot.py", "test_megakernel_kernel.py"}
-# the simulator's run on CI's two cores: test_cache_equality.py about 11 minutes (two tests), test_cuda_backend.py and
-# test_kernels.py about 9 each, the notebooks 2 to 5; a long file that starts late leaves one worker alone at the end
-LONGEST_FIRST = ["test_cache_equality.py", "06_launches.ipynb", "test_cuda_backend.py", "test_kernels.py",
-                 "05_fused_operations.ipynb", "07_many_sequences.ipynb", "test_megakernel_kernel.py", "test_batch.py",
-                 "03_a_cache_that_no_longer_grows.ipynb", "04_flash_decoding.ipynb", "test_recipes.py",
-                 "02_narrow_matrices.ipynb", "test_paged_backend.py", "01_where_the_time_goes.ipynb"]
+# the simulator's run on CI's two cores (minutes, --durations=0, 2026-12-04): test_cache_equality.py 12.8,
+# test_kernels.py 9.1, test_cuda_backend.py 8.3, test_recipes.py 6.3, test_megakernel_kernel.py 4.4, test_batch.py
+# 2.9, each notebook 0.6 to 2.0; 60 in all. pytest-xdist (--dist loadfile) gives a worker the next file of this order
+# as the one it runs nears its end: the longest first, so that no long file starts late and ends alone (that run, with
+# the notebooks between the long files, took 35 minutes)
+LONGEST_FIRST = ["test_cache_equality.py", "test_kernels.py", "test_cuda_backend.py", "test_recipes.py",
+                 "test_megakernel_kernel.py", "test_batch.py", "07_many_sequences.ipynb", "05_fused_operations.ipynb",
+                 "03_a_cache_that_no_longer_grows.ipynb", "02_narrow_matrices.ipynb", "test_row_dot.py",
+                 "06_launches.ipynb", "test_fused.py", "test_paged.py", "01_where_the_time_goes.ipynb",
+                 "test_hf_parity.py", "test_paged_backend.py", "04_flash_decoding.ipynb"]
 
 
 def pytest_collection_modifyitems(items):
