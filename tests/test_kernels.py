@@ -99,6 +99,43 @@ def test_simulator_polyfills():
     np.testing.assert_array_equal(out_bits.copy_to_host(), (0x3F800000 + t).astype(np.uint32).view(np.float32))
 
 
+
+def _butterfly(values, width, op):
+    """NumPy: each lane's value after the xor butterfly over aligned segments of `width` lanes (op(own, other))."""
+    v = list(values)
+    offset = width // 2
+    while offset:
+        v = [op(v[lane], v[lane ^ offset]) for lane in range(len(v))]
+        offset //= 2
+    return np.array(v, np.float32)
+
+
+def _segment_probe(reduce):
+    @cuda.jit
+    def probe(x, width, out):
+        t = cuda.threadIdx.x
+        out[t] = reduce(x[t], width)
+
+    return probe
+
+
+@pytest.mark.parametrize("width", [1, 2, 8, 32])
+def test_segment_reductions_follow_the_butterfly(rng, width):
+    """segment_sum and segment_max give every lane the butterfly's bits (its own order of operations: a signed zero
+    and a NaN show which operand max kept); in the simulator, so do the shuffled versions the twins replace."""
+    x = (rng.standard_normal(64) * 2.0 ** rng.integers(-20, 20, 64)).astype(np.float32)
+    x[[3, 40]], x[[4, 41]], x[9] = -0.0, 0.0, np.nan
+    pairs = [(ew.segment_sum, lambda a, b: a + b), (ew.segment_max, max)]
+    if SIMULATOR:
+        pairs += [(ew.shuffled_segment_sum, pairs[0][1]), (ew.shuffled_segment_max, max)]
+    with np.errstate(invalid="ignore"):
+        for reduce, op in pairs:
+            out = poisoned(64)
+            _segment_probe(reduce)[1, 64](dev(x), width, out)
+            expect = np.concatenate([_butterfly(x[w:w + 32], width, op) for w in (0, 32)])
+            np.testing.assert_array_equal(out.copy_to_host().view(np.uint32), expect.view(np.uint32))
+
+
 # ---- matmul.py ----
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)

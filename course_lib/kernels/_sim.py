@@ -4,12 +4,19 @@ The simulator runs every CUDA thread of a block as a Python thread and hands eac
 (an instance of `FakeCUDAModule`). `install()` adds the missing functions to that class, once:
 
 - `shfl_down_sync`, `shfl_up_sync`, `shfl_xor_sync`, `shfl_sync`: the lanes of a warp (32 consecutive threads
-  of the block) meet at a barrier, publish their value, read the source lane's, and meet again. As on the GPU,
-  a source lane outside the warp leaves the value unchanged. The mask is ignored: every existing lane of the
-  warp must make the call (the kernels only use full warps).
+  of the block) publish their value and meet at a barrier, then read the source lane's. As on the GPU, a source
+  lane outside the warp leaves the value unchanged. The mask is ignored: every existing lane of the warp must make
+  the call (the kernels only use full warps).
 - `syncwarp`: a barrier for the warp's lanes.
 - `libdevice.int_as_float` and `libdevice.float_as_int`: reinterpret 32 bits.
 - `nanosleep`: a real sleep (used by the `hold` kernel of the benchmarks).
+
+The barriers are the simulator's slowest part (32 Python threads handing the interpreter lock round, ~1 ms per
+exchange of a warp), so an exchange costs one barrier (the values are double-buffered: a lane can only overwrite a
+buffer after a second barrier, which every lane reaches after reading it), and `segment_reduce` gives the
+course's warp reductions (`elementwise.segment_sum`, `segment_max`) a twin that exchanges once and then computes,
+in each lane, its own butterfly: the same operations on the same operands in the same order, so the same bits,
+for one barrier instead of log2(width).
 
 A lane that never arrives (it returned early, or waits at `syncthreads`) breaks the barrier after
 `BARRIER_TIMEOUT_S` and the kernel fails with `BrokenBarrierError` instead of hanging.
@@ -32,61 +39,87 @@ BARRIER_TIMEOUT_S = 60.0
 
 
 class _Warp:
-    """The lanes of one warp of one block: a barrier and a slot per lane for exchanging values."""
+    """The lanes of one warp of one block: a barrier and two buffers of a slot per lane (used in turn)."""
 
     def __init__(self, n_lanes: int):
         self.n_lanes = n_lanes
         self.barrier = threading.Barrier(n_lanes, timeout=BARRIER_TIMEOUT_S)
-        self.values = [None] * n_lanes
+        self.buffers = ([None] * n_lanes, [None] * n_lanes)
+        self.turn = [0] * n_lanes  # per lane: the buffer of its next exchange
 
 
 _registry_lock = threading.Lock()
 
 
-def _my_warp(fake_cuda) -> tuple[_Warp, int]:
-    """(the calling thread's warp, its lane). Warps are kept on the fake module, which lives for one launch."""
+def _my_warp() -> tuple[_Warp, int]:
+    """(the calling thread's warp, its lane). Warps are kept on the block's manager, which lives for one block."""
     thread = threading.current_thread()
     warp_id, lane = divmod(thread.thread_id, WARP_SIZE)
-    key = (tuple(thread.blockIdx), warp_id)
+    block = thread._manager
     with _registry_lock:
-        warps = fake_cuda.__dict__.setdefault("_course_lib_warps", {})
-        warp = warps.get(key)
+        warps = block.__dict__.setdefault("_course_lib_warps", {})
+        warp = warps.get(warp_id)
         if warp is None:
-            bd = fake_cuda.blockDim
-            n_threads = bd.x * bd.y * bd.z
-            warp = warps[key] = _Warp(min(WARP_SIZE, n_threads - warp_id * WARP_SIZE))
+            n_threads = int(np.prod(block._block_dim))
+            warp = warps[warp_id] = _Warp(min(WARP_SIZE, n_threads - warp_id * WARP_SIZE))
     return warp, lane
 
 
-def _exchange(fake_cuda, value, source_lane):
-    """Every lane publishes `value` and gets the value of lane source_lane(lane) (its own if out of range)."""
-    warp, lane = _my_warp(fake_cuda)
-    warp.values[lane] = value
+def _published(value) -> tuple[list, int, int]:
+    """Publish this lane's value and wait for the warp's: (the warp's values, this lane, the warp's lane count).
+    The list stays valid until this lane's next exchange but one (no lane can write it again before every lane
+    has passed the next barrier, after reading)."""
+    warp, lane = _my_warp()
+    values = warp.buffers[warp.turn[lane]]
+    warp.turn[lane] ^= 1
+    values[lane] = value
     warp.barrier.wait()
+    return values, lane, warp.n_lanes
+
+
+def _exchange(value, source_lane):
+    """Every lane publishes `value` and gets the value of lane source_lane(lane) (its own if out of range)."""
+    values, lane, n_lanes = _published(value)
     src = source_lane(lane)
-    result = warp.values[src] if 0 <= src < warp.n_lanes else value
-    warp.barrier.wait()  # nobody overwrites a slot before every lane has read
-    return result
+    return values[src] if 0 <= src < n_lanes else value
+
+
+def segment_reduce(op):
+    """The simulator's twin of a butterfly reduction over aligned segments of `width` lanes (offsets width / 2,
+    ..., 1, each lane combining op(its value, the value of lane ^ offset)): one exchange, then each lane evaluates
+    its own tree of the butterfly, with the same operands in the same order."""
+
+    def reduce(v, width):
+        values, lane, _ = _published(v)
+
+        def after(of_lane, offset):  # the value of lane of_lane once the offsets width / 2 .. offset are done
+            if offset >= width:
+                return values[of_lane]
+            return op(after(of_lane, 2 * offset), after(of_lane ^ offset, 2 * offset))
+
+        return after(lane, 1)
+
+    return reduce
 
 
 def _shfl_sync(self, mask, value, src_lane):
-    return _exchange(self, value, lambda lane: int(src_lane) % WARP_SIZE)
+    return _exchange(value, lambda lane: int(src_lane) % WARP_SIZE)
 
 
 def _shfl_down_sync(self, mask, value, delta):
-    return _exchange(self, value, lambda lane: lane + int(delta))
+    return _exchange(value, lambda lane: lane + int(delta))
 
 
 def _shfl_up_sync(self, mask, value, delta):
-    return _exchange(self, value, lambda lane: lane - int(delta))
+    return _exchange(value, lambda lane: lane - int(delta))
 
 
 def _shfl_xor_sync(self, mask, value, lane_mask):
-    return _exchange(self, value, lambda lane: lane ^ int(lane_mask))
+    return _exchange(value, lambda lane: lane ^ int(lane_mask))
 
 
 def _syncwarp(self, mask=0xFFFFFFFF):
-    warp, _ = _my_warp(self)
+    warp, _ = _my_warp()
     warp.barrier.wait()
 
 

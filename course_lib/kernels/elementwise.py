@@ -5,11 +5,12 @@ use. Activations are float32; `table` and `w` may be float32 or bf16 (uint16), s
 """
 
 import math
+import operator
 
 import numpy as np
 from numba import float32
 
-from course_lib.kernels import cuda, empty, for_weight_dtypes, launch, pick, reshaped, sized
+from course_lib.kernels import SIMULATOR, cuda, empty, for_weight_dtypes, launch, pick, reshaped, sized
 from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 
 THREADS = sized(256, 64)  # threads per block of the flat (one thread per element) kernels
@@ -38,6 +39,13 @@ def segment_max(v, width):
         v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
         offset //= 2
     return v
+
+
+if SIMULATOR:  # the same butterflies exchanged once (the simulator's barriers are its slowest part; same bits)
+    from course_lib.kernels import _sim
+
+    shuffled_segment_sum, shuffled_segment_max = segment_sum, segment_max  # kept for the test of the twins
+    segment_sum, segment_max = _sim.segment_reduce(operator.add), _sim.segment_reduce(max)
 
 
 def _make_block_reduce(segment_reduce, identity):

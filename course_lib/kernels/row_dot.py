@@ -33,12 +33,12 @@ import math
 import numpy as np
 from numba import float32, uint32
 
-from course_lib.kernels import bf16_weight, cuda, f32_weight, launch, sized
+from course_lib.kernels import cuda, f32_weight, launch, sized
 from course_lib.kernels.elementwise import rotated_first, rotated_second, segment_sum, silu_times
 from course_lib.kernels.narrow import no_bias
 from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 from course_lib.kernels.paged_attention import f32_to_bf16_bits
-from course_lib.kernels.vector import aligned16, bf16_high, f32x8, load16, words
+from course_lib.kernels.vector import aligned16, f32x8, load16, weight_of_word, words
 
 VEC = 8  # elements of a group: one 16-byte load of bf16 weights, two of float32
 WARPS = sized(4, 2)  # warps (pairs of outputs) per block: small blocks spread a few hundred warps over every SM
@@ -79,16 +79,6 @@ def paired_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
 
 
 # ---- the body: a warp's two dot products ----
-
-@cuda.jit(device=True)
-def group_weight(raw, u, side, e, wide):
-    """Element e of group u of row `side` held in raw [STEPS_AHEAD, 2, 8] uint32: the bits of 8 float32 when wide,
-    else of 8 bf16 packed two to a word (the low half first)."""
-    if wide:
-        return cuda.libdevice.int_as_float(raw[u, side, e])
-    w = raw[u, side, e // 2]
-    return bf16_weight(w) if e % 2 == 0 else bf16_high(w)
-
 
 @functools.cache
 def pair_sums_for(rows, steps, wide, normed):
@@ -144,8 +134,8 @@ def pair_sums_for(rows, steps, wide, normed):
                                 if normed:
                                     sum_sq[r] += h * h
                                     h = h * g[e]
-                                acc[r, 0] += h * group_weight(raw, u, 0, e, wide)
-                                acc[r, 1] += h * group_weight(raw, u, 1, e, wide)
+                                acc[r, 0] += h * weight_of_word(raw[u, 0, e if wide else e // 2], e, wide)
+                                acc[r, 1] += h * weight_of_word(raw[u, 1, e if wide else e // 2], e, wide)
         for r in range(rows):  # every lane takes part in the shuffles
             acc[r, 0] = segment_sum(acc[r, 0], 32)
             acc[r, 1] = segment_sum(acc[r, 1], 32)
