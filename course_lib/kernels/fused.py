@@ -36,8 +36,12 @@ from course_lib.kernels import narrow as nw
 from course_lib.kernels.elementwise import rotated_first, rotated_second, silu, silu_times
 from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 from course_lib.kernels.paged_attention import f32_to_bf16_bits
+from course_lib.kernels.vector import store_quad
 
 PAIR = nw.VEC  # gate and up alternate in runs of PAIR columns in W_gu (one 16-byte load of a lane)
+QUAD = nw.QUAD  # float32 in a 16-byte access
+TWO_QUADS = 2 * QUAD  # the columns narrow.quads_total sums at once (a compile-time constant: a local array's size)
+_KV_STORES = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}  # cache dtype -> its store
 
 
 # ---- weights rearranged once, at load time (host, NumPy) ----
@@ -132,24 +136,79 @@ def _swiglu_store_for(group, bias_f32):
     return swiglu_store
 
 
+
+@functools.cache
+def _rope_tile_store_for(group, head_dim, bias_f32, store_kv):
+    half, quads_total = head_dim // 2, nw.quads_total_for(bias_f32)
+    pairs = group // TWO_QUADS  # a group's quads of first halves (each with the quad of its partners)
+
+    @cuda.jit(device=True)
+    def rope_tile_store(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
+        """rope_store's outputs for the `group` columns of tile g (whole heads, hd / 2 a multiple of 4) and the
+        rows of q, four RoPE pairs of a row per thread: columns n .. n + 3 of a head's first half and their
+        partners hd / 2 further (quads_total), rotated as rope_store rotates, stored (q in 16-byte stores)."""
+        t = cuda.local.array(TWO_QUADS, dtype=float32)
+        rows, N = q.shape[0], partial.shape[2]
+        n_q, n_kv = q.shape[1], k_table.shape[1] * head_dim
+        for e in range(cuda.threadIdx.x, rows * pairs, cuda.blockDim.x):
+            r, c = e // pairs, e % pairs
+            i0 = QUAD * (c % (half // QUAD))  # the pairs' first index i in their head
+            n = g * group + (c // (half // QUAD)) * head_dim + i0
+            if n < N:
+                quads_total(partial, bias, r, n, half, t)
+                if n < n_q + n_kv:  # a q or k head
+                    p = positions[r]
+                    for j in range(QUAD):
+                        y0, y1, cs, sn = t[j], t[QUAD + j], cos[p, i0 + j], sin[p, i0 + j]
+                        t[j], t[QUAD + j] = rotated_first(y0, y1, cs, sn), rotated_second(y0, y1, cs, sn)
+                if n < n_q:
+                    store_quad(q, (r, n), t[0], t[1], t[2], t[3])
+                    store_quad(q, (r, n + half), t[4], t[5], t[6], t[7])
+                elif slots[r] >= 0:
+                    at = (n - n_q) % n_kv
+                    table = k_table if n < n_q + n_kv else v_table
+                    for j in range(QUAD):
+                        table[slots[r], at // head_dim, at % head_dim + j] = store_kv(t[j])
+                        table[slots[r], at // head_dim, at % head_dim + half + j] = store_kv(t[QUAD + j])
+
+    return rope_tile_store
+
+
+@functools.cache
+def _swiglu_tile_store_for(group, bias_f32):
+    quads_total = nw.quads_total_for(bias_f32)
+    runs = PAIR // QUAD  # quads of a run of PAIR gate columns
+    quads = group // TWO_QUADS  # a group's quads of gate columns
+
+    @cuda.jit(device=True)
+    def swiglu_tile_store(g, partial, bias, out):
+        """swiglu_store's outputs for the `group` columns of tile g and the rows of out [R, F], four a thread:
+        gate columns n .. n + 3 of W_gu and their up columns PAIR further (quads_total), one 16-byte store."""
+        t = cuda.local.array(TWO_QUADS, dtype=float32)
+        rows, F = out.shape[0], out.shape[1]
+        for e in range(cuda.threadIdx.x, rows * quads, cuda.blockDim.x):
+            r, c = e // quads, e % quads
+            j = g * (group // 2) + PAIR * (c // runs) + QUAD * (c % runs)  # output column: gate_column(j) is n
+            if j < F:
+                quads_total(partial, bias, r, gate_column(j), PAIR, t)
+                store_quad(out, (r, j), silu_times(t[0], t[4]), silu_times(t[1], t[5]), silu_times(t[2], t[6]),
+                           silu_times(t[3], t[7]))
+
+    return swiglu_tile_store
+
+
 # ---- kernels: split_k_block then an epilogue, one kernel per (rows, weight kind, ...) ----
 
 @functools.cache
-def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False, epilogue_only=False):
+def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False):
     width, load, prefetch = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
-    store_kv = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}[np.dtype(kv_dtype)]
-    epilogue = _rope_store_for(32 * width, head_dim, nw.BIAS_READERS[bias], store_kv)
+    epilogue = _rope_store_for(32 * width, head_dim, nw.BIAS_READERS[bias], _KV_STORES[np.dtype(kv_dtype)])
 
     def qkv_rope_split_k(a, gamma, eps, b, bias, partial, done, cos, sin, k_table, v_table, positions, slots, q):
         """[q | k | v] = RMSNorm(a) @ b (+ bias), RoPE, q stored, k and v written to the cache (rope_store).
         Grid (ceil(N / group), S, chunks of rows when chunked: narrow.rows_of_block), THREADS."""
         g, s = cuda.blockIdx.x, cuda.blockIdx.y
-        if epilogue_only:  # the slices' sums already in partial (narrow.tile_sums_kernel)
-            inputs_ready()
-            lo, hi, _ = nw.rows_of_block(q.shape[0], rows, done)
-            epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi], q[lo:hi])
-            return
         prefetch(g, s, a, b, partial)
         inputs_ready()
         if chunked:
@@ -160,13 +219,30 @@ def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False,
         elif block(g, s, a, gamma, eps, b, partial, done):
             epilogue(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q)
 
-    qkv_rope_split_k.__name__ = qkv_rope_split_k.__qualname__ = ("qkv_rope_split_k" + ("_vec" if width > 1 else "")
-                                                                  + ("_epilogue" if epilogue_only else ""))
+    qkv_rope_split_k.__name__ = qkv_rope_split_k.__qualname__ = "qkv_rope_split_k" + ("_vec" if width > 1 else "")
     return waits_for_inputs(cuda.jit(**nw.SPLIT_K_BOUNDS)(qkv_rope_split_k))
 
 
 @functools.cache
-def gate_up_kernel(rows, kind, bias, normed, chunked=False, epilogue_only=False):
+def qkv_rope_tiles_kernel(tiles, kind, bias, kv_dtype, head_dim):
+    """qkv_rope for a batch's rows: narrow.tile_chunk_for(tiles = (tx, tm, residue)), then rope_tile_store in each
+    tile's last block (its VEC tx columns whole heads)."""
+    chunk = nw.tile_chunk_for(tiles[:2], kind, tiles[2])
+    epilogue = _rope_tile_store_for(nw.VEC * tiles[0], head_dim, nw.BIAS_READERS[bias],
+                                    _KV_STORES[np.dtype(kv_dtype)])
+
+    def qkv_rope_tiles(a, gamma, eps, b, bias, partial, done, cos, sin, k_table, v_table, positions, slots, q):
+        """[q | k | v] = a @ b (+ bias), RoPE, q stored, k and v written to the cache, through partial and done
+        (narrow.tile_kernel's). Grid (ceil(N / (VEC tx)), S, ceil(R / rows)), TILE_THREADS."""
+        g, lo, hi = chunk(a, b, partial)
+        if nw.tile_done(g, partial, done):
+            epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi], q[lo:hi])
+
+    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[1]))(qkv_rope_tiles))
+
+
+@functools.cache
+def gate_up_kernel(rows, kind, bias, normed, chunked=False):
     width, load, prefetch = nw.SPLIT_K_LOADS[kind]
     block = nw.split_k_block_for(rows, width, load, normed)
     epilogue = _swiglu_store_for(32 * width, nw.BIAS_READERS[bias])
@@ -175,11 +251,6 @@ def gate_up_kernel(rows, kind, bias, normed, chunked=False, epilogue_only=False)
         """out = silu(gate) * up of RMSNorm(a) @ W_gu (+ bias) (swiglu_store). Grid (ceil(2F / group), S, chunks
         of rows when chunked: narrow.rows_of_block), THREADS."""
         g, s = cuda.blockIdx.x, cuda.blockIdx.y
-        if epilogue_only:  # the slices' sums already in partial (narrow.tile_sums_kernel)
-            inputs_ready()
-            lo, hi, _ = nw.rows_of_block(out.shape[0], rows, done)
-            epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
-            return
         prefetch(g, s, a, b, partial)
         inputs_ready()
         if chunked:
@@ -190,8 +261,25 @@ def gate_up_kernel(rows, kind, bias, normed, chunked=False, epilogue_only=False)
             epilogue(g, partial, bias, out)
 
     gate_up_swiglu_split_k.__name__ = gate_up_swiglu_split_k.__qualname__ = (
-        "gate_up_swiglu_split_k" + ("_vec" if width > 1 else "") + ("_epilogue" if epilogue_only else ""))
+        "gate_up_swiglu_split_k" + ("_vec" if width > 1 else ""))
     return waits_for_inputs(cuda.jit(**nw.SPLIT_K_BOUNDS)(gate_up_swiglu_split_k))
+
+
+@functools.cache
+def gate_up_tiles_kernel(tiles, kind, bias):
+    """gate_up_swiglu for a batch's rows: narrow.tile_chunk_for(tiles = (tx, tm, residue)), then swiglu_tile_store
+    in each tile's last block."""
+    chunk = nw.tile_chunk_for(tiles[:2], kind, tiles[2])
+    epilogue = _swiglu_tile_store_for(nw.VEC * tiles[0], nw.BIAS_READERS[bias])
+
+    def gate_up_swiglu_tiles(a, gamma, eps, b, bias, partial, done, out):
+        """out = silu(gate) * up of a @ W_gu (+ bias), through partial and done (narrow.tile_kernel's). Grid
+        (ceil(2F / (VEC tx)), S, ceil(R / rows)), TILE_THREADS."""
+        g, lo, hi = chunk(a, b, partial)
+        if nw.tile_done(g, partial, done):
+            epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
+
+    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[1]))(gate_up_swiglu_tiles))
 
 
 # ---- host wrappers (stream: a CUDA stream; rt: a course_lib.gpu.runtime.Runtime, used instead when given) ----
@@ -218,10 +306,12 @@ def qkv_rope(x, w_qkv, bias, norm, cos, sin, positions, slots, q, k_table, v_tab
             k_table.shape or positions.shape != (T,) or slots.shape != (T,) or hd % 2):
         raise ValueError(f"qkv_rope: x {x.shape}, w_qkv {w_qkv.shape}, q {q.shape}, k_table {k_table.shape}, "
                          f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}")
-    width = _width(N, w_qkv, hd)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: qkv_rope_kernel(
-                            rows, kind, bias_kind, normed, np.dtype(k_table.dtype), hd, chunked, epilogue_only),
-                        x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width)
+    width, kv_dtype = _width(N, w_qkv, hd), np.dtype(k_table.dtype)
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, tiles: (
+                            qkv_rope_kernel(rows, kind, bias_kind, normed, kv_dtype, hd, chunked) if tiles is None
+                            else qkv_rope_tiles_kernel(tiles, kind, bias_kind, kv_dtype, hd)),
+                        x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width,
+                        unit=hd if hd % (2 * QUAD) == 0 else None)
     return q
 
 
@@ -233,9 +323,10 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
     if w_gu.shape[0] != x.shape[1] or out.shape != (T, N // 2) or N % (2 * PAIR):
         raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
     width = _width(N, w_gu, 2 * PAIR)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: gate_up_kernel(
-                            rows, kind, bias_kind, normed, chunked, epilogue_only),
-                        x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2)
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, tiles: (
+                            gate_up_kernel(rows, kind, bias_kind, normed, chunked) if tiles is None
+                            else gate_up_tiles_kernel(tiles, kind, bias_kind)),
+                        x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2, unit=2 * PAIR)
     return out
 
 

@@ -72,7 +72,17 @@ from course_lib.kernels import (
 from course_lib.kernels import matmul as mm
 from course_lib.kernels.elementwise import rms_norm, row_rms, segment_sum
 from course_lib.kernels.overlap import inputs_ready, prefetch_l2, waits_for_inputs
-from course_lib.kernels.vector import aligned16, bf16x8, f32x8, load16, shared_load16, store_quad, weight_of_word, words
+from course_lib.kernels.vector import (
+    aligned16,
+    bf16x8,
+    f32x8,
+    load16,
+    load_quad,
+    shared_load16,
+    store_quad,
+    weight_of_word,
+    words,
+)
 
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
@@ -92,7 +102,7 @@ TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
 # two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
-TILE_THREADS = sized(256, 8)  # threads of a block of `tile_sums_kernel` (the slices' sums of a batch's rows)
+TILE_THREADS = sized(256, 8)  # threads of a block of the tile kernels (the slices' sums of a batch's rows)
 TILES = ((16, 2), (16, 4), (8, 2), (8, 1), (32, 2), (16, 1), (32, 1)) if not SIMULATOR else ((4, 4), (2, 2), (8, 1))
 # its tiles (TX, TM): TX thread columns of VEC columns, TILE_THREADS / TX thread rows of TM rows; the first whose
 # rows the launch fills and which gives it a block per two SMs ((16, 2) was the fastest or within 7% of it on each
@@ -547,11 +557,10 @@ def store_group_for(group, bias_f32, accumulate):
 
 # ---- kernel factories: one kernel per (rows, weight kind) ----
 
-def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chunked, epilogue_only):
+def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chunked):
     """The split-K kernel: its weights asked of the L2 cache (prefetch), its inputs waited for (kernels/overlap.py),
     split_k_block then, in each group's last block, store_group (see the top); chunked: a block per chunk of rows
-    (rows_of_block). epilogue_only: only store_group, a block per (group, chunk), the slices' sums already in
-    partial (tile_sums_kernel's)."""
+    (rows_of_block)."""
     block = split_k_block_for(rows, width, load, normed)
     store = store_group_for(32 * width, bias_f32, accumulate)
 
@@ -560,11 +569,6 @@ def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chu
         accumulates; h = a, or RMSNorm(a) * gamma [K] (eps) when normed; through partial [S, R, N] and done
         (split_k_block), done [groups x chunks]. Grid (ceil(N / group), S, chunks of rows_of_block), THREADS."""
         g, s = cuda.blockIdx.x, cuda.blockIdx.y
-        if epilogue_only:
-            inputs_ready()
-            lo, hi, _ = rows_of_block(out.shape[0], rows, done)
-            store(g, partial[:, lo:hi], bias, out[lo:hi])
-            return
         prefetch(g, s, a, b, partial)
         inputs_ready()
         if chunked:
@@ -575,27 +579,28 @@ def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chu
             store(g, partial, bias, out)
 
     name = ("matmul_split_k" + ("_norm" if normed else "") + ("_vec" if width == VEC else "")
-            + ("_add" if accumulate else "") + ("_epilogue" if epilogue_only else ""))
+            + ("_add" if accumulate else ""))
     matmul_split_k.__name__ = matmul_split_k.__qualname__ = name  # the name profiles and tests see
     return waits_for_inputs(cuda.jit(**SPLIT_K_BOUNDS)(matmul_split_k))
 
 
 @functools.cache
-def tile_sums_kernel(tile, kind, residue=0):
-    """The kernel of tile_sums_for for a tile (tx, tm) of TILES, weight kind "f32x8" or "bf16x8" and `residue` (see
-    there): the slices' sums of a batch's rows into partial, a block per (tile of columns, slice, chunk of rows);
-    the epilogue is another launch (epilogue_only)."""
+def tile_chunk_for(tile, kind, residue=0):
+    """The device function tile_chunk(a, b, partial) -> (g, lo, hi) of the tile kernels, block (g, s, z) of a grid
+    (ceil(N / (VEC tx)), S, ceil(R / rows)) for a tile (tx, tm) of TILES, weight kind "f32x8" or "bf16x8" and
+    `residue` (tile_sums_for): it asks the L2 cache for slice s's weights (the blocks of chunk 0: the other chunks
+    find them there), waits for its inputs, and sums slice s of K of a [R, K] @ b [K, N] for the tile of columns g
+    and the rows lo .. hi - 1 of chunk z into partial[s] [R, N]."""
     tx, tm = tile
     units = 2 if kind == "f32x8" else 1  # 16-byte units per VEC weights
     sums = tile_sums_for(tx, tm, kind == "f32x8", residue)
-    rows = TILE_THREADS // tx * tm
+    rows = tile_rows(tile)
 
-    def split_k_tile_sums(a, b, partial):
-        """partial[s, r, n] = the sum over slice s of K of a [R, K] @ b [K, N], added as split_k_sums adds. Grid
-        (ceil(N / (VEC tx)), S, ceil(R / rows)), TILE_THREADS."""
+    @cuda.jit(device=True)
+    def tile_chunk(a, b, partial):
         g, s, lo = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z * rows
         K, S, per_row = a.shape[1], partial.shape[0], partial.shape[2] // VEC
-        if cuda.blockIdx.z == 0:  # the slice's weights asked of the L2 cache (the other chunks read them there)
+        if cuda.blockIdx.z == 0:
             k0, k1 = s * K // S, (s + 1) * K // S
             for e in range(cuda.threadIdx.x, (k1 - k0) * tx, TILE_THREADS):
                 k, v = k0 + e // tx, g * tx + e % tx
@@ -604,14 +609,109 @@ def tile_sums_kernel(tile, kind, residue=0):
         inputs_ready()
         hi = min(a.shape[0], lo + rows)
         sums(g, s, a[lo:hi], b, partial[:, lo:hi])
+        return g, lo, hi
+
+    return tile_chunk
+
+
+@cuda.jit(device=True)
+def tile_done(g, partial, done):
+    """True in the last of the S blocks of the tile of columns g and chunk blockIdx.z to finish (counter z gx + g of
+    done [gx x chunks], last_to_arrive): partial then holds every slice of its rows x columns."""
+    return last_to_arrive(done, cuda.blockIdx.z * cuda.gridDim.x + g, partial.shape[0])
+
+
+@functools.cache
+def tile_sums_kernel(tile, kind, residue=0):
+    """The kernel of tile_chunk_for alone: the slices' sums of a batch's rows into partial, a block per (tile of
+    columns, slice, chunk of rows), no epilogue (the building block the tests and notebook 07 time)."""
+    chunk = tile_chunk_for(tile, kind, residue)
+
+    def split_k_tile_sums(a, b, partial):
+        """partial[s, r, n] = the sum over slice s of K of a [R, K] @ b [K, N], added as split_k_sums adds. Grid
+        (ceil(N / (VEC tx)), S, ceil(R / rows)), TILE_THREADS."""
+        chunk(a, b, partial)
 
     split_k_tile_sums.__name__ = split_k_tile_sums.__qualname__ = "split_k_tile_sums_vec"
-    return waits_for_inputs(cuda.jit(**tile_bounds(tm))(split_k_tile_sums))
+    return waits_for_inputs(cuda.jit(**tile_bounds(tile[1]))(split_k_tile_sums))
 
 
-def tile_rows(tile) -> int:
-    """Rows of a tile (tx, tm) of tile_sums_kernel."""
-    return TILE_THREADS // tile[0] * tile[1]
+@functools.cache
+def quads_total_for(bias_f32):
+    """The device function quads_total(partial, bias, r, n, far, t): t [8] = the K-sums of row r's columns n .. n + 3
+    and n + far .. n + far + 3 (n, far multiples of 4; partial [S, R, N], N a multiple of 4), each the S slices added
+    in slice order (+ bias[n], read by bias_f32; a bias of length 0 is none), the bits of column_total: 16-byte
+    loads, UNROLL slices of both quads in flight (the tile kernels' last blocks read them from the L2 cache, alone on
+    their SM: the loads in flight set their pace)."""
+
+    @cuda.jit(device=True)
+    def quads_total(partial, bias, r, n, far, t):
+        buf = cuda.local.array((UNROLL, 8), dtype=float32)
+        S = partial.shape[0]
+        for c in range(8):
+            t[c] = float32(0)
+        for s0 in range(0, S, UNROLL):
+            for u in range(UNROLL):
+                if s0 + u < S:
+                    buf[u, 0], buf[u, 1], buf[u, 2], buf[u, 3] = load_quad(partial, (s0 + u, r, n))
+                    buf[u, 4], buf[u, 5], buf[u, 6], buf[u, 7] = load_quad(partial, (s0 + u, r, n + far))
+            for u in range(UNROLL):
+                if s0 + u < S:
+                    for c in range(8):
+                        t[c] += buf[u, c]
+        if bias.shape[0] > 0:
+            for c in range(QUAD):
+                t[c] += bias_f32(bias[n + c])
+                t[QUAD + c] += bias_f32(bias[n + far + c])
+
+    return quads_total
+
+
+@functools.cache
+def tile_store_for(group, bias_f32, accumulate):
+    """The plain epilogue of a tile's last block, tile_store(g, partial, bias, out): store_group's sums for the
+    `group` columns of tile g and the rows of out [R, N] (N a multiple of 8), eight columns a thread at a time
+    (quads_total, then 16-byte stores)."""
+    quads_total = quads_total_for(bias_f32)
+
+    @cuda.jit(device=True)
+    def tile_store(g, partial, bias, out):
+        t = cuda.local.array(8, dtype=float32)
+        rows, N, octets = out.shape[0], out.shape[1], group // 8
+        for e in range(cuda.threadIdx.x, rows * octets, cuda.blockDim.x):
+            r, n = e // octets, g * group + 8 * (e % octets)
+            if n < N:
+                quads_total(partial, bias, r, n, QUAD, t)
+                if accumulate:  # x + o rounded once, as store_group
+                    for h in range(2):
+                        x0, x1, x2, x3 = load_quad(out, (r, n + QUAD * h))
+                        t[QUAD * h], t[QUAD * h + 1] = x0 + t[QUAD * h], x1 + t[QUAD * h + 1]
+                        t[QUAD * h + 2], t[QUAD * h + 3] = x2 + t[QUAD * h + 2], x3 + t[QUAD * h + 3]
+                store_quad(out, (r, n), t[0], t[1], t[2], t[3])
+                store_quad(out, (r, n + QUAD), t[4], t[5], t[6], t[7])
+
+    return tile_store
+
+
+@functools.cache
+def tile_kernel(tile, kind, residue, bias, accumulate):
+    """The tile kernel of the split-K family: tile_chunk, then in each tile's last block to finish the plain
+    epilogue (tile_store: + bias, or added into out when `accumulate`): one launch for the slices' sums and their
+    epilogue."""
+    tx, tm = tile
+    chunk = tile_chunk_for(tile, kind, residue)
+    store = tile_store_for(VEC * tx, BIAS_READERS[bias], accumulate)
+
+    def matmul_tiles(a, gamma, eps, b, bias, partial, done, out):
+        """out (+)= a [R, K] @ b [K, N] (+ bias [N]) through partial [S, R, N] and done [gx x chunks]. Grid (gx =
+        ceil(N / (VEC tx)), S, ceil(R / rows)), TILE_THREADS. gamma, eps: unused (many rows are normalized by
+        rms_norm first)."""
+        g, lo, hi = chunk(a, b, partial)
+        if tile_done(g, partial, done):
+            store(g, partial[:, lo:hi], bias, out[lo:hi])
+
+    matmul_tiles.__name__ = matmul_tiles.__qualname__ = "matmul_tiles" + ("_add" if accumulate else "")
+    return waits_for_inputs(cuda.jit(**tile_bounds(tm))(matmul_tiles))
 
 
 @waits_for_inputs
@@ -620,7 +720,8 @@ def add_norm_epilogue(partial, x, gamma, eps, h):
     """The epilogue of a batch's residual projection fused with the norm of the next one, a block per row r (grid R,
     THREADS): x[r, n] += the S slices of partial [S, R, N] added in slice order (the bits of store_group's
     accumulate), then h[r] = x[r] / rms(x[r]) * gamma [N] float32 (the bits of rms_norm: row_rms, the same
-    division and product). The block holds the whole row, so the norm needs no other launch."""
+    division and product). The block holds the whole row, so the norm needs no other launch (a tile kernel's last
+    block would have to normalize its chunk's rows alone: measured, slower than this launch)."""
     inputs_ready()
     scratch = cuda.shared.array(32, dtype=float32)
     r = cuda.blockIdx.x
@@ -630,6 +731,11 @@ def add_norm_epilogue(partial, x, gamma, eps, h):
     rms = row_rms(x, r, eps, scratch)
     for n in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
         h[r, n] = x[r, n] / rms * gamma[n]
+
+
+def tile_rows(tile) -> int:
+    """Rows of a tile (tx, tm) of tile_sums_kernel."""
+    return TILE_THREADS // tile[0] * tile[1]
 
 
 @functools.cache
@@ -861,20 +967,21 @@ _TRANSPOSED = {
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked, epilogue_only) -> kernel
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked, tiles) -> kernel
 
 
 def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,
-               chunked: bool = False, epilogue_only: bool = False):
+               chunked: bool = False, tiles=None):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
-    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, only the epilogue when
-    `epilogue_only`; built and cached on first use."""
-    key = (family, kind, rows, bias, accumulate, normed, chunked, epilogue_only)
+    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, and the slices summed in
+    tiles when `tiles` = (tx, tm, residue) (tile_kernel); built and cached on first use."""
+    key = (family, kind, rows, bias, accumulate, normed, chunked, tiles)
     if key not in _KERNELS:
-        if family == "split_k":
-            _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked,
-                                          epilogue_only)
+        if family == "split_k" and tiles is not None:
+            _KERNELS[key] = tile_kernel(tiles[:2], kind, tiles[2], bias, accumulate)
+        elif family == "split_k":
+            _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows, normed)
     return _KERNELS[key]
@@ -941,42 +1048,54 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     out = empty((R, N), np.float32, stream, rt) if out is None else out
     gamma, eps = norm_args(None if norm_after is None else norm_after[:2], N)
     h = None if norm_after is None else norm_after[2]
-    left = split_k_launches(lambda rows, kind, bias_kind, normed, chunked, epilogue_only: kernel_for(
-                                "split_k", kind, rows, bias_kind, accumulate, normed, chunked, epilogue_only),
+    left = split_k_launches(lambda rows, kind, bias_kind, normed, chunked, tiles: kernel_for(
+                                "split_k", kind, rows, bias_kind, accumulate, normed, chunked, tiles),
                             a, b, bias, norm, (), (out,), stream, rt, norm_after=(gamma, eps, h))
     for lo, hi in left if h is not None else ():  # the rows no epilogue normalized: one rms_norm per range
         rms_norm(out[lo:hi], gamma, eps, out=h[lo:hi], stream=stream, rt=rt)
     return out
 
 
+def tile_of(N: int, n: int, slices: int, unit: int = VEC):
+    """The tile (tx, tm) of TILES for a launch of n rows through N columns in `slices` slices: the first whose rows
+    the launch fills and that gives a block per two SMs (else the last it fills, or the smallest), among those whose
+    VEC tx columns hold whole units of `unit` columns (an epilogue's: a head for RoPE); None when none does (or unit
+    is None: an epilogue that cannot run in tiles)."""
+    fit = [t for t in TILES if unit and (VEC * t[0]) % unit == 0]
+    filled = [t for t in fit if tile_rows(t) <= n] or fit[-1:]
+    return next((t for t in filled if 2 * -(-N // (VEC * t[0])) * slices * -(-n // tile_rows(t)) >= sm_count()),
+                filled[-1] if filled else None)
+
+
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None,
-                     norm_after=None):
+                     norm_after=None, unit=VEC):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
-    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked, epilogue_only)[grid, THREADS](a[part], gamma,
-    eps, weights, bias, partial, done, *fixed, *(x[part] for x in sliced)).
+    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked, tiles)[grid, threads](a[part], gamma, eps,
+    weights, bias, partial, done, *fixed, *(x[part] for x in sliced)).
     - R <= KERNEL_ROWS: one launch of R rows.
-    - More, with 16-byte loads (a batch's rows): launches of up to LAUNCH_ROWS rows, each two kernels: the slices'
-      sums of tiles of rows and columns (tile_sums_kernel, each weight read once per tile of rows; the first tile
-      of TILES whose rows the launch fills and that gives a block per two SMs), then the epilogue, a block per
-      (group, KERNEL_ROWS rows) (epilogue_only), or add_norm_epilogue with norm_after: in one kernel the last
-      block of a tile would add its rows x columns x S slices alone, after all the others.
-    - More, one element per load (or slices longer than TILE_SLICE): launches of up to LAUNCH_ROWS rows, a multiple
-      of KERNEL_ROWS, a block per chunk of KERNEL_ROWS rows (grid (groups, S, chunks), chunked), then one launch of
-      the rows left.
+    - More, with 16-byte loads (a batch's rows): launches of up to LAUNCH_ROWS rows, each one tile kernel (tiles =
+      (tx, tm, residue); TILE_THREADS): the slices' sums of tiles of rows and columns (each weight read once per tile
+      of rows; the tile from tile_of, its columns whole units of `unit`), then the epilogue in each tile's last block
+      to finish; with norm_after, the sums alone (tile_sums_kernel), then add_norm_epilogue, a block per row.
+    - More, one element per load (or slices longer than TILE_SLICE, or no tile of whole units): launches of up to
+      LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, a block per chunk of KERNEL_ROWS rows (grid (groups, S, chunks),
+      chunked), then one launch of the rows left.
     Every row gets the bits it gets alone. A norm is computed by the kernel for at most NORMED_ROWS rows, else by
     rms_norm first (into the buffer "normed_rows"; the same bits). width: 1 or VEC columns per lane, or None for
     VEC when N % VEC == 0 and b is 16-byte aligned. slices_of: the column count whose split_k sets the slices (N by
     default; a fused kernel takes the slices of a matmul it replaces, and so its sums). norm_after = (gamma, eps, h)
     with h not None: the rows summed in tiles get add_norm_epilogue instead of kernel_of's epilogue (a residual
-    projection: sliced is (x,)). See matmul_narrow for bias and norm. -> the (lo, hi) row ranges whose epilogue did
-    not normalize them (all of them without norm_after), adjacent ranges joined."""
+    projection: sliced is (x,)).
+    See matmul_narrow for bias and norm. -> the (lo, hi) row ranges that were not normalized (all of them without
+    norm_after), adjacent ranges joined."""
     (R, K), N = a.shape, b.shape[1]
     if width is None:
         width = VEC if N % VEC == 0 and aligned16(b) else 1
     kind = weight_kind(b, vector=width == VEC)
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
-    tiles = width == VEC and -(-K // slices) <= TILE_SLICE  # many rows by tile_sums_kernel (a residue in a piece)
+    tiles = (width == VEC and -(-K // slices) <= TILE_SLICE  # a residue in a piece
+             and tile_of(N, LAUNCH_ROWS, slices, unit) is not None)
     residue = uniform_residue(K, slices)
     parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows (a multiple of KERNEL_ROWS without tiles), then the rest
     while R - lo > KERNEL_ROWS:
@@ -985,11 +1104,15 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
         lo = parts[-1][1]
     if lo < R:
         parts.append((lo, R))
+    plan = [(lo, hi, tile_of(N, hi - lo, slices, unit) if tiles and hi - lo > KERNEL_ROWS else None)
+            for lo, hi in parts]
     most = max(hi - lo for lo, hi in parts)
     chunks = -(-most // KERNEL_ROWS)
+    counters = max([groups * chunks] + [-(-N // (VEC * t[0])) * -(-(hi - lo) // tile_rows(t))
+                                        for lo, hi, t in plan if t is not None])
     shape = (slices, most, N)
-    partial, done = ((partial_sums(shape), completion_counters(groups * chunks)) if rt is None
-                     else rt.split_k_scratch(shape, groups * chunks))
+    partial, done = ((partial_sums(shape), completion_counters(counters)) if rt is None
+                     else rt.split_k_scratch(shape, counters))
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
     if norm is not None and R > NORMED_ROWS:  # rms_norm first: the same bits, and no spilled registers
         a = rms_norm(a, *norm_args(norm, K), out=empty(a.shape, np.float32, stream, rt, name="normed_rows"),
@@ -997,32 +1120,30 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
         norm = None
     gamma, eps = norm_args(norm, K)
     left = []
-    for lo, hi in parts:
+    for lo, hi, tile in plan:
         a_rows, rest = (a, sliced) if (lo, hi) == (0, R) else (a[lo:hi], tuple(x[lo:hi] for x in sliced))
         n, args = hi - lo, (a_rows, gamma, eps, weights, bias, partial, done, *fixed, *rest)
-        normalizes = tiles and n > KERNEL_ROWS and norm_after is not None and norm_after[2] is not None
+        normalizes = tile is not None and norm_after is not None and norm_after[2] is not None
         if not normalizes and left and left[-1][1] == lo:  # adjacent ranges joined
             left[-1] = (left[-1][0], hi)
         elif not normalizes:
             left.append((lo, hi))
         if n <= KERNEL_ROWS:
-            launch(kernel_of(n, kind, bias_kind, norm is not None, False, False), (groups, slices, 1), THREADS,
+            launch(kernel_of(n, kind, bias_kind, norm is not None, False, None), (groups, slices, 1), THREADS,
                    stream, rt, *args)
-        elif tiles:
-            filled = [t for t in TILES if tile_rows(t) <= n] or [TILES[-1]]
-            tile = next((t for t in filled if 2 * -(-N // (VEC * t[0])) * slices * -(-n // tile_rows(t)) >= sm_count()),
-                        filled[-1])
-            launch(tile_sums_kernel(tile, kind, residue), (-(-N // (VEC * tile[0])), slices, -(-n // tile_rows(tile))),
-                   TILE_THREADS, stream, rt, a_rows, weights, partial[:, :n])
+        elif tile is not None:
+            grid = (-(-N // (VEC * tile[0])), slices, -(-n // tile_rows(tile)))
             if normalizes:  # the residual added and the next norm in one launch, a block per row
                 after_gamma, after_eps, h = norm_after
+                launch(tile_sums_kernel(tile, kind, residue), grid, TILE_THREADS, stream, rt, a_rows, weights,
+                       partial[:, :n])
                 launch(add_norm_epilogue, n, THREADS, stream, rt, partial[:, :n], rest[0], after_gamma, after_eps,
                        h[lo:hi])
             else:
-                launch(kernel_of(KERNEL_ROWS, kind, bias_kind, False, True, True), (groups, 1, -(-n // KERNEL_ROWS)),
-                       THREADS, stream, rt, *args)
+                launch(kernel_of(tile_rows(tile), kind, bias_kind, False, False, (*tile, residue)), grid,
+                       TILE_THREADS, stream, rt, *args)
         else:
-            launch(kernel_of(KERNEL_ROWS, kind, bias_kind, norm is not None, True, False),
+            launch(kernel_of(KERNEL_ROWS, kind, bias_kind, norm is not None, True, None),
                    (groups, slices, n // KERNEL_ROWS), THREADS, stream, rt, *args)
     return left
 

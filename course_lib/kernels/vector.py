@@ -14,11 +14,12 @@ In the simulator it is four plain reads of a flat array.
 as uint32 words, widened to float32: one 16-byte load for bf16, two for float32.
 
 `shared_load16(arr, i)` -> the float32 arr[4 i : 4 i + 4] of a C-contiguous float32 array (shared memory, indexed
-as flat), and `store_quad(arr, (i, ..., j), a, b, c, d)`: arr[i, ..., j : j + 4] = a, b, c, d for a float32 array
-of any layout whose last axis is contiguous. Both are vector loads and stores in the compiler's own IR, not inline
-assembly, so they stay ordered with the barriers and the other accesses around them; the address must be 16-byte
-aligned. The tile kernels (kernels/narrow) read their staged weights with the first and write their sums with the
-second.
+as flat), `store_quad(arr, (i, ..., j), a, b, c, d)`: arr[i, ..., j : j + 4] = a, b, c, d, and `load_quad(arr,
+(i, ..., j))` -> arr[i, ..., j : j + 4], for a float32 array of any layout whose last axis is contiguous. They are
+vector loads and stores in the compiler's own IR, not inline assembly, so they stay ordered with the barriers and the
+other accesses around them, and `load_quad` is a coherent load (it may read what other blocks of the same kernel
+wrote before a fence); the address must be 16-byte aligned. The tile kernels (kernels/narrow) read their staged
+weights with the first, write their sums with the second and read them back with the third.
 """
 
 import numpy as np
@@ -50,6 +51,10 @@ if SIMULATOR:
     def store_quad(arr, index, a, b, c, d):
         row = arr[index[:-1]]
         row[index[-1]], row[index[-1] + 1], row[index[-1] + 2], row[index[-1] + 3] = a, b, c, d
+
+    def load_quad(arr, index):
+        row = arr[index[:-1]]
+        return row[index[-1]], row[index[-1] + 1], row[index[-1] + 2], row[index[-1] + 3]
 else:
     from llvmlite import ir
     from numba.core import cgutils
@@ -102,27 +107,46 @@ else:
 
         return result(arr, i), codegen
 
+    def _indexed_quad(arr, index) -> bool:
+        """arr is a float32 array and index a tuple of as many integers: the arguments of a quad's access."""
+        return (isinstance(arr, types.Array) and arr.dtype == types.float32 and isinstance(index, types.BaseTuple)
+                and len(index) == arr.ndim and all(isinstance(t, types.Integer) for t in index))
+
+    def _quad_pointer(context, builder, signature, args):
+        """A pointer to the 16 bytes of arr[index] (args[0], args[1]), in the array's address space."""
+        array_type, index_types = signature.args[0], signature.args[1].types
+        array = context.make_array(array_type)(context, builder, value=args[0])
+        at = [context.cast(builder, v, t, types.intp)
+              for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_types)), index_types, strict=True)]
+        first = cgutils.get_item_pointer(context, builder, array_type, array, at, wraparound=False)
+        return builder.bitcast(first, _F32x4.as_pointer(first.type.addrspace))
+
     @intrinsic
     def store_quad(typingctx, arr, index, a, b, c, d):
-        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and isinstance(index, types.BaseTuple)
-                and len(index) == arr.ndim and all(isinstance(t, types.Integer) for t in index)
-                and all(v == types.float32 for v in (a, b, c, d))):
+        if not (_indexed_quad(arr, index) and all(v == types.float32 for v in (a, b, c, d))):
             return None
 
         def codegen(context, builder, signature, args):
-            array_type, index_types = signature.args[0], signature.args[1].types
-            array = context.make_array(array_type)(context, builder, value=args[0])
-            at = [context.cast(builder, v, t, types.intp)
-                  for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_types)), index_types, strict=True)]
-            first = cgutils.get_item_pointer(context, builder, array_type, array, at, wraparound=False)
             quad = ir.Constant(_F32x4, ir.Undefined)
             for j, value in enumerate(args[2:]):
                 quad = builder.insert_element(quad, value, ir.Constant(_I32, j))
-            builder.store(quad, builder.bitcast(first, _F32x4.as_pointer(first.type.addrspace)), align=16)
+            builder.store(quad, _quad_pointer(context, builder, signature, args), align=16)
             return context.get_dummy_value()
 
         return types.void(arr, index, a, b, c, d), codegen
 
+    @intrinsic
+    def load_quad(typingctx, arr, index):
+        if not _indexed_quad(arr, index):
+            return None
+        result = types.UniTuple(types.float32, 4)
+
+        def codegen(context, builder, signature, args):
+            quad = builder.load(_quad_pointer(context, builder, signature, args), align=16)
+            return context.make_tuple(builder, result, [builder.extract_element(quad, ir.Constant(_I32, j))
+                                                        for j in range(4)])
+
+        return result(arr, index), codegen
 
 @cuda.jit(device=True)
 def bf16_high(w):
