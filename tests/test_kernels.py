@@ -813,7 +813,7 @@ class _RecordingRuntime(_CountingRuntime):
         self.partials = []
 
     def launch(self, name, kernel, grid, block, *args):
-        if name.startswith("matmul_split_k"):
+        if name.startswith(("matmul_split_k", "matmul_tiles")):
             self.partials.append(args[5].shape)  # (a, gamma, eps, weights, bias, partial, done, out)
         super().launch(name, kernel, grid, block, *args)
 
@@ -845,8 +845,8 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     whole = 0 if M <= nw.KERNEL_ROWS else M if N % 8 == 0 else M - M % nw.KERNEL_ROWS  # rows of the launch of
     # chunks (any number with 16-byte loads, a multiple of KERNEL_ROWS else); then the rest
     assert (rows, cols) == (max(whole, M - whole), N) and slices >= 2 and K % slices != 0  # K not a multiple
-    if N % 8 == 0:  # a batch's rows: the sums of chunks of rows, then the epilogue (the bias inside)
-        want = ["split_k_tile_sums_vec", "matmul_split_k_vec_epilogue"] if whole else ["matmul_split_k_vec"]
+    if N % 8 == 0:  # a batch's rows: the tile kernel, its sums and their epilogue (the bias inside)
+        want = ["matmul_tiles"] if whole else ["matmul_split_k_vec"]
     else:
         want = ["matmul_split_k"] * ((whole > 0) + (whole < M))
     assert rt.launched == want
@@ -882,7 +882,7 @@ def test_matmul_narrow_deterministic(rng):
         np.testing.assert_array_equal(first[r:r + 1].view(np.uint32), alone.view(np.uint32))
 
 
-@pytest.mark.parametrize("N", [24, 23])  # 16-byte loads (a launch of sums, one of epilogues), one element per load
+@pytest.mark.parametrize("N", [24, 23])  # 16-byte loads (a tile kernel a launch), one element per load
 def test_matmul_narrow_many_rows(rng, N):
     """More rows than a launch takes (LAUNCH_ROWS): launches of LAUNCH_ROWS rows, then (one element per load) a
     multiple of KERNEL_ROWS, then the rest; every row within the float32 tolerance, and the last one bit for bit as
@@ -892,7 +892,7 @@ def test_matmul_narrow_many_rows(rng, N):
     rt = _RecordingRuntime()
     got = nw.matmul_narrow(dev(a), dev(b), dev(bias), out=poisoned((M, N)), rt=rt).copy_to_host()
     check(got, want, tol)
-    assert len(rt.launched) == (4 if N % 8 == 0 else 3) and {rows for _, rows, _ in rt.partials} == {nw.LAUNCH_ROWS}
+    assert len(rt.launched) == (2 if N % 8 == 0 else 3) and {rows for _, rows, _ in rt.partials} == {nw.LAUNCH_ROWS}
     for r in (M - 1, nw.tile_rows(nw.TILES[0]) + 1):  # the last row, and one of the second chunk of the first launch
         alone = nw.matmul_narrow(dev(a[r:r + 1]), dev(b), dev(bias)).copy_to_host()
         np.testing.assert_array_equal(got[r:r + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {r}")
@@ -900,7 +900,7 @@ def test_matmul_narrow_many_rows(rng, N):
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("N", [72, 71])
-@pytest.mark.parametrize("M", [1, 6])  # 6: a launch of sums and one of epilogues, or of 4 rows and one of 2
+@pytest.mark.parametrize("M", [1, 6])  # 6: a tile kernel, or a launch of 4 rows and one of 2
 def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype):
     """out += a @ b in the reduction (the fused residual) gives the bits of the matmul then the add kernel."""
     a, b, _, want, tol = linear_case(rng, M, 200, N, dtype, None)
@@ -911,9 +911,8 @@ def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype
     fused = nw.matmul_narrow(a_dev, b_dev, out=dev(x), rt=rt, accumulate=True).copy_to_host()
     np.testing.assert_array_equal(fused.view(np.uint32), separate.view(np.uint32))
     check(fused, x + want, tol)
-    if N % 8 == 0:  # 6 rows: the sums of chunks of rows, then the epilogue adding
-        assert set(rt.launched) == ({"matmul_split_k_vec_add"} if M <= nw.KERNEL_ROWS else
-                                    {"split_k_tile_sums_vec", "matmul_split_k_vec_add_epilogue"})
+    if N % 8 == 0:  # 6 rows: the tile kernel, its last blocks adding
+        assert set(rt.launched) == ({"matmul_split_k_vec_add"} if M <= nw.KERNEL_ROWS else {"matmul_tiles_add"})
     else:
         assert set(rt.launched) == {"matmul_split_k_add"}
     with pytest.raises(ValueError, match="give out"):
