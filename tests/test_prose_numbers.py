@@ -273,8 +273,8 @@ def test_batch_chunks_prose_quotes_its_runs():
 def test_vector_tiles_prose_quotes_its_run():
     """Notebook 07, the tile kernel's 16-byte shared loads and stores: the tile times before and after, the step's
     graph, the real model's tokens/s, the peers and how far ahead of them, and "What is not done yet" (the parts of
-    the gate/up tile, its stall samples, the epilogues' share, the targets) are those of
-    data/batch_tiles_vector_h200.json, every text as alone and every tile with the bits of a row alone."""
+    the gate/up tile, its stall samples) are those of data/batch_tiles_vector_h200.json, every text as alone and
+    every tile with the bits of a row alone."""
     run = recorded("batch_tiles_vector_h200.json")
     shapes = ("qkv", "o", "gate_up", "down")
     tiles, parts, marginal = run["tiles_64_rows"], run["parts_removed"], run["step_marginal_us"]
@@ -298,12 +298,38 @@ def test_vector_tiles_prose_quotes_its_run():
             and f"and {fmas:.0f} µs of FMAs" in text)
     stalls = run["ncu_gate_up"]["stall_samples"]
     assert f"(short scoreboard: {stalls['short_scoreboard']:,} of {sum(stalls.values()):,} stall samples)" in text
-    epilogues = {"add_norm_epilogue": 60, "qkv_rope_epilogue": 30, "gate_up_swiglu_epilogue": 30}
-    each = [marginal["after"][k] for k in epilogues]
-    share = sum(marginal["after"][k] * n for k, n in epilogues.items()) / 1e3
-    assert (f"{min(each):.1f} to {max(each):.1f} µs each inside the step's graph, {share:.2f} ms of its "
-            f"{marginal['after']['graph_ms']:.2f}") in text
+    words = run["words_staging"]
+    assert words["alone_bits"] and f"{words['registers']} registers instead of the 128" in prose("07", "## Where")
+    assert ("tile then takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), with the same "
+            "bits".format(*(words["tiles_64_rows"][s] for s in shapes))) in prose("07", "## Where")
+
+
+def test_fused_tiles_prose_quotes_its_run():
+    """Notebook 07, the epilogues in the tile kernels' last blocks: the QKV and gate/up projections' graph time
+    before (the sums and the epilogue of data/batch_tiles_vector_h200.json) and after, the step's graph, the norm in
+    the tile tried, the real model's tokens/s and the peers; the recorded bench's latencies against the bound, and
+    "What is not done yet" (the add_norm epilogues' share, the targets) are those of data/batch_tiles_fused_h200.json,
+    every text as alone."""
+    run, before = recorded("batch_tiles_fused_h200.json"), recorded("batch_tiles_vector_h200.json")
+    old, new = before["step_marginal_us"]["after"], run["step_marginal_us"]["ctx64"]
+    assert all(r["same_text"] for r in run["bench"]["batch"]) and run["bench"]["steps"] == 200
+    tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["bench"]["batch"]}, run["bench"]["peers"]
+    text = prose("07", "## Where the time goes now")
+    assert (f"the QKV projection takes {new['qkv_rope_tiles'][1]:.2f} µs a layer instead of "
+            f"{old['tile_qkv'] + old['qkv_rope_epilogue']:.2f} ({old['tile_qkv']:.2f} for the sums and "
+            f"{old['qkv_rope_epilogue']:.2f} for the epilogue) and the gate/up {new['gate_up_swiglu_tiles'][1]:.2f} "
+            f"instead of {old['tile_gate_up'] + old['gate_up_swiglu_epilogue']:.2f}, and a step of 64 sequences "
+            f"{new['graph_ms']:.2f} ms of GPU time instead of {old['graph_ms']:.2f}") in text
+    assert f"the step took {run['norm_in_the_tile_tried']['ctx64']['graph_ms']:.2f} ms" in text
+    assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} "
+            f"at 64 ({tps[64] / tps[1]:.1f} times batch 1)") in text and peers_quoted(peers) in text
+    text = prose("07", "## What is not done yet")
+    launches, each = new["add_norm_epilogue"]
+    assert (f"{each:.2f} µs each inside the step's graph, {launches * each / 1e3:.2f} ms of its "
+            f"{new['graph_ms']:.2f}") in text
     assert f"({tps[64] / tps[1]:.1f} times in the last run)" in text and tps[64] / tps[1] < 30
+    assert (f"({tps[64]:,.0f} tokens/s against {peers['graph']:,.0f} and {peers['compile+graph']:,.0f})" in text
+            and tps[64] > max(peers.values()))
     from course_lib.measure import accounting
     from course_lib.model.config import SMOLLM2_135M
 
@@ -312,9 +338,3 @@ def test_vector_tiles_prose_quotes_its_run():
     bound_ms = {b: 1e3 * accounting.decode_cost(SMOLLM2_135M, 164, batch=b).bytes / bandwidth for b in (1, 64)}
     assert (f"{ms[1]:.2f} ms alone, {ms[64]:.2f} ms among 64 sequences, where the bandwidth bound allows "
             f"{bound_ms[1]:.2f} ms and {bound_ms[64]:.2f} ms") in prose("07", "The last recorded run of")
-    words = run["words_staging"]
-    assert words["alone_bits"] and f"{words['registers']} registers instead of the 128" in prose("07", "## Where")
-    assert ("tile then takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), with the same "
-            "bits".format(*(words["tiles_64_rows"][s] for s in shapes))) in prose("07", "## Where")
-    assert (f"({tps[64]:,.0f} tokens/s against {peers['graph']:,.0f} and {peers['compile+graph']:,.0f})" in text
-            and tps[64] > max(peers.values()))

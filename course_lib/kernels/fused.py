@@ -14,6 +14,12 @@ normalized by rms_norm first, `narrow.NORMED_ROWS`: the norm inside would spill 
   side by side, in the same group, and writes only the product. It replaces a norm, two matmuls and SwiGLU's
   elementwise kernel, and the [T, 2 d_ff] intermediate never reaches memory.
 
+A batch's rows (more than narrow.KERNEL_ROWS) go through the tile kernels instead (`qkv_rope_tiles_kernel`,
+`gate_up_tiles_kernel`): the slices' sums of tiles of rows and columns (`narrow.tile_chunk_for`), then the same
+epilogue arithmetic in the last of each tile's blocks to finish, four outputs (and their partners) a thread,
+the slices read 16 bytes at a time (`_rope_tile_store_for`, `_swiglu_tile_store_for`). A tile's columns are whole
+heads for RoPE.
+
 For a prefill's many rows, SwiGLU in the tiled matmul (the body of `matmul.tile_product`), the paper's two
 strategies: `swiglu_two_passes` (a block computes its gate tile, takes its SiLU in registers, then computes the up
 tile over the same rows and multiplies) and `swiglu_interleaved` (one tiled product over W_gu, whose 64 columns per

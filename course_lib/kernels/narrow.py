@@ -19,14 +19,16 @@ Split-K narrow matmul, out[R, N] = a[R, K] @ b[K, N] (+ bias[N]), in one kernel 
   The atomic only elects a block: the sums are always added in the same order, so the result is the same bit
   for bit from run to run, whichever block comes last. The bias is added there, for free (no bias kernel).
 A block sums at most KERNEL_ROWS rows (R x 8 running sums per thread: 16 rows would need more registers than 16
-warps can have). A launch of more rows (a batch's, up to LAUNCH_ROWS) takes two kernels. `split_k_tile_sums_vec`
-computes the slices' sums in tiles of rows x columns: the split-K block's order of additions is a specification
+warps can have). A launch of more rows (a batch's, up to LAUNCH_ROWS) sums the slices in tiles of rows x columns
+(`tile_chunk_for`, the tile kernels): the split-K block's order of additions is a specification
 (warp w sums the slice's rows k0 + w, k0 + w + WARPS, ... by FMAs from zero, the warps' sums are added in warp
 order), and a thread holding an output can follow it, walking the slice residue after residue with two registers
 per output (the residue's running sum, the total of the residues before it). Each weight staged in shared memory
 then serves the tile's 8 to 64 rows instead of 4. The epilogue (slices added in order, bias or residual, and the
-fused epilogues of kernels/fused) is a second launch, a block per (column group, KERNEL_ROWS rows), or for the
-residual stream followed by a norm a block per row that adds and normalizes (`add_norm_epilogue`). Without 16-byte
+fused epilogues of kernels/fused) runs in the last of a tile's S blocks to finish (`tile_done`), which reads the
+slices 16 bytes at a time (`quads_total_for`); for the residual stream followed by a norm, the tile kernel writes
+the sums only (`tile_sums_kernel`) and a second launch, a block per row, adds and normalizes (`add_norm_epilogue`:
+a block holds the whole row). Without 16-byte
 loads, a launch of many rows has a block per chunk of KERNEL_ROWS rows (`rows_of_block`) calling the split-K block
 on its rows, each chunk with its own completion counters. A row's result therefore does not depend on R (the
 slices depend only on K and N, and each row's additions are made in the same order whatever the geometry): one
@@ -87,7 +89,7 @@ from course_lib.kernels.vector import (
 MAX_ROWS = 16  # linear's choice: more rows go to the tiled matmul; the transposed kernels' largest R
 WARPS = sized(16, 2)  # split-K warps per block (the simulator keeps full 32-lane warps, but fewer of them)
 KERNEL_ROWS = 4  # rows a split-K block sums: more would not fit the registers of 16 warps (65,536 per SM); a launch
-# of more rows sums its slices in tiles (tile_sums_kernel), or without 16-byte loads a block per KERNEL_ROWS rows
+# of more rows sums its slices in tiles (tile_chunk_for), or without 16-byte loads a block per KERNEL_ROWS rows
 LAUNCH_ROWS = 64  # rows of a launch at most (a multiple of KERNEL_ROWS): a batch of 64 sequences in one launch per
 # projection, and the partial sums of a long prefill bounded ([S, 64, N])
 THREADS = 32 * WARPS
