@@ -119,8 +119,9 @@ def tile_bounds(tm: int) -> dict:
 
 TILE_PIECE = sized(32, 64)  # rows of K a tile block stages in shared memory at a time, whole residues (the
 # simulator's 2 warps make residues of half a slice)
-ROWS_TILES = ((16, 4), (16, 2), (32, 1)) if not SIMULATOR else ((4, 2), (8, 1))  # (TX, TM) tiles of
-# matmul_transposed_rows, the largest first: taken when the rows fill at least half of it
+ROWS_TILES = ((16, 4), (16, 2), (32, 2), (32, 1)) if not SIMULATOR else ((4, 2), (8, 1))  # (TX, TM) tiles of
+# matmul_transposed_rows, the largest first: the first whose rows the batch fills (SmolLM2's logits: the fastest of
+# eight tiles at 8, 16, 32 and 64 rows, data/batch_tiles_fused_h200.json)
 TILE_SLICE = WARPS * TILE_PIECE  # the longest slice of K a tile block takes: a residue fits in a piece
 NORMED_ROWS = 1  # the most rows a split-K block normalizes itself: with the norm inside, the kernel of 2 rows or more
 # needs more than the 128 registers a thread of 16 warps may have, and spills (ptxas, sm_90: 52 bytes a thread at 2
@@ -1201,14 +1202,14 @@ def matmul_transposed_rows(a, b, out=None, stream=0, rt=None):
     """a [R, K] float32 @ b [N, K].T, b float32 or bf16 (uint16) read in place with 16-byte loads (K % 8 == 0) ->
     out [R, N] float32, for any R (a batch's logits: b is the embedding table), by transposed_rows_kernel: each
     output summed by one thread along K in order, so a row gets the same bits whatever R; the tile the largest of
-    ROWS_TILES whose rows the batch fills at least half of."""
+    ROWS_TILES whose rows the batch fills."""
     (R, K), (N, K2) = a.shape, b.shape
     if K != K2 or K % VEC or not (aligned16(a) and aligned16(b)):
         raise ValueError(f"matmul_transposed_rows: a is {a.shape}, b is {b.shape}: expected [N, {K}], K a multiple of "
                          f"{VEC}, both C-contiguous and 16-byte aligned")
     if out is not None and out.shape != (R, N):
         raise ValueError(f"matmul_transposed_rows: out is {out.shape}, expected {(R, N)}")
-    tile = next((t for t in ROWS_TILES if 2 * R >= tile_rows(t)), ROWS_TILES[-1])
+    tile = next((t for t in ROWS_TILES if R >= tile_rows(t)), ROWS_TILES[-1])
     out = empty((R, N), np.float32, stream, rt) if out is None else out
     launch(transposed_rows_kernel(tile, weight_kind(b, vector=True)), (-(-N // (VEC * tile[0])),
                                                                        -(-R // tile_rows(tile))),
