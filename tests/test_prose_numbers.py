@@ -321,6 +321,10 @@ def test_fused_tiles_prose_quotes_its_run():
             f"instead of {old['tile_gate_up'] + old['gate_up_swiglu_epilogue']:.2f}, and a step of 64 sequences "
             f"{new['graph_ms']:.2f} ms of GPU time instead of {old['graph_ms']:.2f}") in text
     assert f"the step took {run['norm_in_the_tile_tried']['ctx64']['graph_ms']:.2f} ms" in text
+    logits = {k: v["us"] for k, v in run["logits_tiles_us"].items()}
+    assert (f"they take {logits['R32 (16, 2)']:.1f} µs at 32 rows instead of {logits['R32 (16, 4)']:.1f} and "
+            f"{logits['R16 (32, 2)']:.1f} at 16 instead of {logits['R16 (16, 2)']:.1f}, with the same bits") in text
+    assert all(v["same_bits"] for v in run["logits_tiles_us"].values())
     assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} "
             f"at 64 ({tps[64] / tps[1]:.1f} times batch 1)") in text and peers_quoted(peers) in text
     text = prose("07", "## What is not done yet")
