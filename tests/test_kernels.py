@@ -898,6 +898,21 @@ def test_matmul_narrow_many_rows(rng, N):
         np.testing.assert_array_equal(got[r:r + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {r}")
 
 
+def test_matmul_narrow_into_a_strided_output(rng):
+    """A batch's rows written into columns of a wider array (not C-contiguous: the tile kernels' 16-byte stores
+    cannot take it) go through the chunks of KERNEL_ROWS rows instead, with the bits of the contiguous output."""
+    M, K, N = nw.tile_rows(nw.TILES[0]) + 2, 200, 72
+    a, b, bias, want, tol = linear_case(rng, M, K, N, "bf16", "f32")
+    a_dev, b_dev, bias_dev = dev(a), dev(b), dev(bias)
+    whole = nw.matmul_narrow(a_dev, b_dev, bias_dev, out=poisoned((M, N))).copy_to_host()
+    wide = poisoned((M, N + 1))  # its columns 1 .. N: rows that start 4 bytes past a 16-byte boundary
+    rt = _RecordingRuntime()
+    nw.matmul_narrow(a_dev, b_dev, bias_dev, out=wide[:, 1:], rt=rt)
+    np.testing.assert_array_equal(wide.copy_to_host()[:, 1:].view(np.uint32), whole.view(np.uint32))
+    check(whole, want, tol)
+    assert "matmul_tiles" not in rt.launched and set(rt.launched) == {"matmul_split_k_vec"}
+
+
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("N", [72, 71])
 @pytest.mark.parametrize("M", [1, 6])  # 6: a tile kernel, or a launch of 4 rows and one of 2

@@ -1080,7 +1080,8 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
       (tx, tm, residue); TILE_THREADS): the slices' sums of tiles of rows and columns (each weight read once per tile
       of rows; the tile from tile_of, its columns whole units of `unit`), then the epilogue in each tile's last block
       to finish; with norm_after, the sums alone (tile_sums_kernel), then add_norm_epilogue, a block per row.
-    - More, one element per load (or slices longer than TILE_SLICE, or no tile of whole units): launches of up to
+    - More, one element per load (or slices longer than TILE_SLICE, no tile of whole units, or an output the tile
+      epilogues cannot store 16 bytes at a time: not C-contiguous, unaligned): launches of up to
       LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, a block per chunk of KERNEL_ROWS rows (grid (groups, S, chunks),
       chunked), then one launch of the rows left.
     Every row gets the bits it gets alone. A norm is computed by the kernel for at most NORMED_ROWS rows, else by
@@ -1098,7 +1099,9 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
     bias_kind = "f32" if bias is None else weight_kind(bias, vector=False)
     groups, slices = -(-N // (32 * width)), split_k(K, slices_of or N, 32 * width, sm_count())
     tiles = (width == VEC and -(-K // slices) <= TILE_SLICE  # a residue in a piece
-             and tile_of(N, LAUNCH_ROWS, slices, unit) is not None)
+             and tile_of(N, LAUNCH_ROWS, slices, unit) is not None
+             and all(aligned16(x) and x.shape[1] % QUAD == 0 for x in sliced  # the epilogues' 16-byte stores
+                     if x.ndim == 2 and np.dtype(x.dtype) == np.float32))
     residue = uniform_residue(K, slices)
     parts, lo = [], 0  # launches of at most LAUNCH_ROWS rows (a multiple of KERNEL_ROWS without tiles), then the rest
     while R - lo > KERNEL_ROWS:
