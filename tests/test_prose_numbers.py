@@ -29,6 +29,16 @@ def prose(notebook: str, starts: str) -> str:
     return " ".join(markdown_cell(notebook, starts).split())
 
 
+def section(notebook: str, heading: str) -> str:
+    """The markdown cells of `notebook` from the one that starts with `heading` to the next "## " heading (not
+    included), joined, their whitespace runs made single spaces."""
+    cells = ["".join(c["source"]) for c in notebook_cells(notebook) if c["cell_type"] == "markdown"]
+    starts = [i for i, c in enumerate(cells) if c.startswith(heading)]
+    assert len(starts) == 1, f"notebook {notebook}: {len(starts)} markdown cells start with {heading!r}"
+    end = next((i for i in range(starts[0] + 1, len(cells)) if cells[i].startswith("## ")), len(cells))
+    return " ".join(" ".join(cells[starts[0]:end]).split())
+
+
 def peers_quoted(peers: dict) -> str:
     """How the prose quotes the PyTorch peers of a batched run."""
     return f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled"
@@ -167,7 +177,7 @@ def test_tiles_prose_quotes_their_run():
     [(_, sums_n, _)] = [k for k in after if k[0].startswith("split_k_tile_sums")]
     tps = {when: next(r["tokens_per_s"] for r in run[when]["bench_batch"] if r["batch"] == 64)
            for when in ("before", "after")}
-    text = prose("07", "## Where the time goes now")
+    text = section("07", "## Where the time goes now")
     assert (f"takes {run['after']['profile_64']['gpu_ms']:.2f} ms of GPU time instead of "
             f"{run['before']['profile_64']['gpu_ms']:.2f}") in text
     assert f"decodes {tps['after']:,.0f} tokens/s instead of {tps['before']:,.0f}" in text
@@ -185,7 +195,7 @@ def test_pipelined_prose_quotes_its_run():
     run = recorded("bench_batch_pipelined_h200.json")
     tps = {r["batch"]: r["tokens_per_s"] for r in run["batch"]}
     assert all(r["same_text"] for r in run["batch"]) and run["peer_batch"] == 64
-    text = prose("07", "## Where the time goes now")
+    text = section("07", "## Where the time goes now")
     assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[16]:,.0f} at 16, {tps[32]:,.0f} "
             f"at 32 and {tps[64]:,.0f} at 64 ({tps[64] / tps[1]:.1f} times batch 1)") in text
     wall = next(r["ms_per_step"] for r in run["batch"] if r["batch"] == 64)
@@ -208,7 +218,7 @@ def test_unrolled_tiles_prose_quotes_its_run():
     gpu = run["random_weights"]["profile_64"]["gpu_ms"]
     wall = next(r["ms_per_step"] for r in run["random_weights"]["batch"] if r["batch"] == 64)
     peers = run["real"]["peers"]
-    text = prose("07", "## Where the time goes now")
+    text = section("07", "## Where the time goes now")
     assert ("the (16, 2) tile takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), against {:.1f}, "
             "{:.1f}, {:.1f} and {:.1f} for the fastest tile".format(*new, *old)) in text
     assert f"took {gpu:.2f} ms of GPU time and {wall:.2f} ms of wall time" in text
@@ -227,7 +237,7 @@ def test_step_end_prose_quotes_its_run():
     cli = run["bench_cli"][0]
     assert all(r["same_text"] for bench in run["bench_cli"] for r in bench["batch"]) and cli["steps"] == 200
     tps = {r["batch"]: r["tokens_per_s"] for r in cli["batch"]}
-    text = prose("07", "## Where the time goes now")
+    text = section("07", "## Where the time goes now")
     assert (f"takes {loop['graph_ms_below_128']:.2f} ms of GPU time up to position 128 and "
             f"{loop['graph_ms_past_128']:.2f} ms after it") in text
     assert (f"take {prof['128']['flash_decode_rows_ms']:.2f} ms of a step at a 128-token prompt instead of "
@@ -258,7 +268,7 @@ def test_batch_chunks_prose_quotes_its_runs():
     run = recorded("bench_batch_chunks_h200.json")["bench"]
     assert all(r["same_text"] for r in run["batch"]) and run["steps"] == 200 and run["peer_batch"] == 64
     tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["batch"]}, run["peers"]
-    text = prose("07", "## Where the time goes now")
+    text = section("07", "## Where the time goes now")
     assert f"took {at_128['2']:.2f} ms instead of {at_128['1']:.2f}" in text
     assert f"where two cost up to {worst:.2f} ms a token between 300 and 1,000 keys" in text
     assert (f"decoded {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} "
@@ -281,7 +291,7 @@ def test_vector_tiles_prose_quotes_its_run():
     assert tiles["alone_bits"] and all(r["same_text"] for r in run["bench"]["batch"]) and run["bench"]["steps"] == 200
     new, old = [tiles["final_with_store_quad"][s] for s in shapes], [tiles["before"][s] for s in shapes]
     tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["bench"]["batch"]}, run["bench"]["peers"]
-    text = prose("07", "## Where the time goes now")
+    text = section("07", "## Where the time goes now")
     assert ("tile takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), against {:.1f}, {:.1f}, "
             "{:.1f} and {:.1f} before".format(*new, *old)) in text
     assert (f"{marginal['after']['graph_ms']:.2f} ms of GPU time instead of {marginal['before']['graph_ms']:.2f}"
@@ -298,10 +308,10 @@ def test_vector_tiles_prose_quotes_its_run():
             and f"and {fmas:.0f} µs of FMAs" in text)
     stalls = run["ncu_gate_up"]["stall_samples"]
     assert f"(short scoreboard: {stalls['short_scoreboard']:,} of {sum(stalls.values()):,} stall samples)" in text
-    words = run["words_staging"]
-    assert words["alone_bits"] and f"{words['registers']} registers instead of the 128" in prose("07", "## Where")
+    words, text = run["words_staging"], section("07", "## Where the time goes now")
+    assert words["alone_bits"] and f"{words['registers']} registers instead of the 128" in text
     assert ("tile then takes {:.1f} µs (QKV), {:.1f} (O), {:.1f} (gate/up) and {:.1f} (down), with the same "
-            "bits".format(*(words["tiles_64_rows"][s] for s in shapes))) in prose("07", "## Where")
+            "bits".format(*(words["tiles_64_rows"][s] for s in shapes))) in text
 
 
 def test_fused_tiles_prose_quotes_its_run():
@@ -314,7 +324,7 @@ def test_fused_tiles_prose_quotes_its_run():
     old, new = before["step_marginal_us"]["after"], run["step_marginal_us"]["ctx64"]
     assert all(r["same_text"] for r in run["bench"]["batch"]) and run["bench"]["steps"] == 200
     tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["bench"]["batch"]}, run["bench"]["peers"]
-    text = prose("07", "## Where the time goes now")
+    text = section("07", "## Where the time goes now")
     assert (f"the QKV projection takes {new['qkv_rope_tiles'][1]:.2f} µs a layer instead of "
             f"{old['tile_qkv'] + old['qkv_rope_epilogue']:.2f} ({old['tile_qkv']:.2f} for the sums and "
             f"{old['qkv_rope_epilogue']:.2f} for the epilogue) and the gate/up {new['gate_up_swiglu_tiles'][1]:.2f} "
