@@ -85,11 +85,12 @@ def test_gate_up_swiglu_equals_its_kernels(rng, shape, T, dtype):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, shape):
-    """qkv_rope and gate_up_swiglu on the rows of a batch (the slices' sums of chunks of rows,
-    narrow.tile_sums_kernel, then the epilogue in another launch; rms_norm first) give every row the bits it gets in
-    a launch of its own (the split-K block of one row, the norm inside): the same additions in the same order."""
+    """qkv_rope and gate_up_swiglu on the rows of a batch (rms_norm first, then the tile kernels: the slices' sums of
+    tiles of rows and columns, the epilogue in each tile's last block; two launches, of LAUNCH_ROWS rows and of the
+    rest) give every row the bits it gets in a launch of its own (the split-K block of one row, the norm inside): the
+    same additions in the same order."""
     d, H, Hkv, hd, F = shape["d"], shape["H"], shape["Hkv"], shape["hd"], shape["F"]
-    T, n = narrow.tile_rows(narrow.TILES[0]) + 3, (H + 2 * Hkv) * hd
+    T, n = narrow.LAUNCH_ROWS + narrow.KERNEL_ROWS + 3, (H + 2 * Hkv) * hd  # two tile launches
     x, gamma = randn(rng, T, d), 1 + randn(rng, d, scale=0.1)
     w_qkv, b_qkv = dev(f32_to_bf16(randn(rng, d, n, scale=d ** -0.5))), dev(randn(rng, n))
     w_gu = dev(f32_to_bf16(fused.interleave_gate_up(randn(rng, d, F, scale=d ** -0.5),
@@ -107,7 +108,8 @@ def test_fused_rows_of_a_batch_have_the_bits_of_each_row_alone(rng, shape):
         return q.copy_to_host(), k_rows, v_rows, act.copy_to_host()
 
     batch = run(np.arange(T))
-    for r in (0, narrow.tile_rows(narrow.TILES[0]) - 1, T - 1):  # the first and last rows of the first tile, the last
+    for r in (0, narrow.tile_rows(narrow.TILES[0]) - 1, narrow.LAUNCH_ROWS, T - 1):  # the first tile's first and
+        # last rows, the second launch's first and last
         for what, got, alone in zip(("q", "k", "v", "act"), batch, run(np.array([r])), strict=True):
             same_bits(got[r:r + 1], alone, f"{what}, row {r}")
 
