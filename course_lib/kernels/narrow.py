@@ -603,7 +603,7 @@ def tile_chunk_for(tile, kind, residue=0):
     def tile_chunk(a, b, partial):
         g, s, lo = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z * rows
         K, S, per_row = a.shape[1], partial.shape[0], partial.shape[2] // VEC
-        if cuda.blockIdx.z == 0:
+        if cuda.blockIdx.z == 0:  # the slice's weights asked of the L2 cache (the other chunks read them there)
             k0, k1 = s * K // S, (s + 1) * K // S
             for e in range(cuda.threadIdx.x, (k1 - k0) * tx, TILE_THREADS):
                 k, v = k0 + e // tx, g * tx + e % tx
