@@ -142,7 +142,6 @@ def _swiglu_store_for(group, bias_f32):
     return swiglu_store
 
 
-
 @functools.cache
 def _rope_tile_store_for(group, head_dim, bias_f32, store_kv):
     half, quads_total = head_dim // 2, nw.quads_total_for(bias_f32)
