@@ -352,3 +352,20 @@ def test_fused_tiles_prose_quotes_its_run():
     bound_ms = {b: 1e3 * accounting.decode_cost(SMOLLM2_135M, 164, batch=b).bytes / bandwidth for b in (1, 64)}
     assert (f"{ms[1]:.2f} ms alone, {ms[64]:.2f} ms among 64 sequences, where the bandwidth bound allows "
             f"{bound_ms[1]:.2f} ms and {bound_ms[64]:.2f} ms") in prose("07", "The last recorded run of")
+
+
+def test_readme_quotes_the_latest_batched_run():
+    """The README's row for notebook 07 quotes the last recorded `bench --batch` (data/batch_tiles_fused_h200.json)
+    and the notebook's own recorded run (data/07_batch_h200.json)."""
+    run = recorded("batch_tiles_fused_h200.json")["bench"]
+    tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["batch"]}, run["peers"]
+    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
+                        if line.startswith("| 07 |")).split())
+    assert (f"decodes {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} "
+            f"at 64 ({tps[64] / tps[1]:.1f}× batch 1)") in row
+    assert (f"{peers['graph']:,.0f} with a CUDA graph, {peers['compile+graph']:,.0f} compiled (ours "
+            f"{100 * (tps[64] / peers['graph'] - 1):.0f}% and {100 * (tps[64] / peers['compile+graph'] - 1):.0f}% "
+            "ahead)") in row
+    first = {r["batch"]: r["tokens_per_s"] for r in recorded("07_batch_h200.json")["rows"]}
+    assert f"From {first[64]:,.0f} tokens/s at 64" in row
+
