@@ -12,19 +12,25 @@ from course_lib.kernels.sampling import sample
 
 N_NO_CACHE = 3 if SIMULATOR else 150  # tokens generated with and without the cache (on a GPU: past 128 keys, two
 # chunks and their merge; 300 took 5.6 minutes, the longest test of the GPU suite; in the simulator each token is a
-# prefill and a decode step of about 15 s each, and the test below checks 18 tokens at a lower cost)
+# prefill and a decode step of several seconds each, and the test below checks 18 tokens at a lower cost)
+
+
+def _prompt_and_two_backends(request, temperature, tokens):
+    """(prompt ids, capacity, two backends of the default's ops for the prompt and `tokens` more): the tiny one-layer
+    model in the simulator (greedy skipped there: seeded covers the same bits), the real SmolLM2 on a GPU."""
+    if SIMULATOR and temperature == 0:
+        pytest.skip("simulator time: the bits do not depend on how the tokens were chosen (seeded covers it)")
+    model = request.getfixturevalue("tiny_one_layer" if SIMULATOR else "smollm")
+    prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
+    capacity = len(prompt) + tokens
+    return prompt, capacity, *(CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 def test_cache_equals_no_cache(request, temperature):
     """Generation with the paged cache gives the same logits, bit for bit, and so the same tokens, as recomputing
     the whole sequence every token (reset, then prefill): the cache changes the work, not the result."""
-    if SIMULATOR and temperature == 0:
-        pytest.skip("simulator time: the bits do not depend on how the tokens were chosen (seeded covers it)")
-    model = request.getfixturevalue("tiny_one_layer" if SIMULATOR else "smollm")
-    prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
-    capacity = len(prompt) + N_NO_CACHE
-    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))  # the default's
+    prompt, capacity, cached, fresh = _prompt_and_two_backends(request, temperature, N_NO_CACHE)
     ids = list(prompt)
     logits = cached.prefill(ids)
     for _ in range(N_NO_CACHE):
@@ -49,12 +55,7 @@ def test_cache_equals_one_full_prefill(request, temperature):
     the paged forward pass does not depend on the other rows of its pass (see test_cache_equals_no_cache, which
     recomputes every prefix), so that row is what recomputing the prefix alone gives; then, step by step, the
     uncached generation would have chosen the same tokens."""
-    if SIMULATOR and temperature == 0:
-        pytest.skip("simulator time: the bits do not depend on how the tokens were chosen (seeded covers it)")
-    model = request.getfixturevalue("tiny_one_layer" if SIMULATOR else "smollm")
-    prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
-    capacity = len(prompt) + N_FULL_PREFILL
-    cached, fresh = (CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))  # the default's
+    prompt, capacity, cached, fresh = _prompt_and_two_backends(request, temperature, N_FULL_PREFILL)
     ids, steps = list(prompt), [cached.prefill(prompt)]
     while len(ids) < capacity:
         ids.append(sample(steps[-1], temperature, None, 0.95 if temperature else None, seed=11, position=len(ids)))

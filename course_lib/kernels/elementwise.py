@@ -84,7 +84,6 @@ def row_rms(x, r, eps, scratch):
     return float32(math.sqrt(sum_sq / float32(x.shape[1]) + eps))
 
 
-
 # ---- kernels ----
 
 def _make_embedding(to_f32):
