@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .gpu.backend import BASELINE, FUSED, NARROW, PAGED, ROW_DOT
+from .gpu.backend import BASELINE, FIVE, FUSED, NARROW, PAGED, ROW_DOT
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ RECIPES = {r.name: r for r in (
     Recipe("row_dot", "05, 06", "the overlapped graph of the fused step with its projections in one pass: a warp per "
            "pair of outputs over weights stored a row per output, the first weights loaded before waiting for the "
            "inputs, no partial sums", ROW_DOT, replay="graph", overlap=True),
+    Recipe("five", "05, 06", "the row_dot step in five kernels a layer: flash-decoding in one launch, the chunks of "
+           "each query head merged by the last of its blocks to finish", FIVE, replay="graph", overlap=True),
     Recipe("megakernel", "06", "one persistent kernel interprets the step's instruction list (fused operations on "
            "slices of work, each started when what it reads is written), 16 tokens per launch", FUSED,
            replay="megakernel", steps_per_launch=16),
@@ -63,11 +65,12 @@ RECIPES = {r.name: r for r in (
 
 
 def default_recipe(gpu: bool) -> str:
-    """The fastest recipe verified on this kind of machine: on a GPU the graph replay of the fused step with its
-    projections in one pass and overlapping launches (on GPUs before Hopper the launches simply do not overlap); in
-    the simulator (no graphs), the step plan launched kernel by kernel. One step per replay, not eight: both decode
-    at the same speed within about 1% on the H200 (notebook 06), and one step per replay sees an end token sooner."""
-    return "row_dot" if gpu else "plan"
+    """The fastest recipe verified on this kind of machine: on a GPU the graph replay of the fused step in five kernels
+    a layer, its projections in one pass, its launches overlapping (on GPUs before Hopper the launches simply do not
+    overlap); in the simulator (no graphs), the step plan launched kernel by kernel. One step per replay, not eight:
+    both decode at the same speed within about 1% on the H200 (notebook 06), and one step per replay sees an end
+    token sooner."""
+    return "five" if gpu else "plan"
 
 
 def get_recipe(name: str) -> Recipe:

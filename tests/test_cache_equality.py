@@ -6,13 +6,14 @@ their own takes them (conftest.LONGEST_FIRST)."""
 import numpy as np
 import pytest
 
-from course_lib.gpu.backend import ROW_DOT, CudaBackend
+from course_lib.gpu.backend import FIVE, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.sampling import sample
 
 N_NO_CACHE = 3 if SIMULATOR else 150  # tokens generated with and without the cache (on a GPU: past 128 keys, two
-# chunks and their merge; 300 took 5.6 minutes, the longest test of the GPU suite; in the simulator each token is a
-# prefill and a decode step of several seconds each, and the test below checks 18 tokens at a lower cost)
+# chunks merged by the last block of each head; 300 took 5.6 minutes, the longest test of the GPU suite; in the
+# simulator each token is a prefill and a decode step of several seconds each, and the test below checks 18 tokens at
+# a lower cost)
 
 
 def _prompt_and_two_backends(request, temperature, tokens):
@@ -23,7 +24,7 @@ def _prompt_and_two_backends(request, temperature, tokens):
     model = request.getfixturevalue("tiny_one_layer" if SIMULATOR else "smollm")
     prompt = model.tokenizer.encode("Hi" if SIMULATOR else "The capital of France is")
     capacity = len(prompt) + tokens
-    return prompt, capacity, *(CudaBackend(model, capacity, weights="bf16", ops=ROW_DOT) for _ in range(2))
+    return prompt, capacity, *(CudaBackend(model, capacity, weights="bf16", ops=FIVE) for _ in range(2))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])

@@ -10,7 +10,7 @@ import pytest
 from checks import as_computed, logit_tolerance
 
 from course_lib import reference
-from course_lib.gpu.backend import BATCHED, BLOCK_STEPS, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
+from course_lib.gpu.backend import BATCHED, BLOCK_STEPS, FIVE, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.paged_attention import chunk_unit, chunks_for
 
@@ -40,7 +40,8 @@ def test_logits_match_reference(request, model, weights, ops):
         assert np.abs(ours - ref).max() <= logit_tolerance(c, np.abs(ref).max())
 
 
-@pytest.mark.parametrize("ops", [PAGED, FUSED, ROW_DOT, BATCHED], ids=["paged", "fused", "row_dot", "batched"])
+@pytest.mark.parametrize("ops", [PAGED, FUSED, ROW_DOT, FIVE, BATCHED],
+                         ids=["paged", "fused", "row_dot", "five", "batched"])
 def test_decode_over_several_chunks_matches_reference(request, model, ops):
     """A decode step whose keys span several flash-decoding chunks, so the backend merges them (the merge kernel, or
     each head's last block; the batched step's chunks of two block steps): the logits of the reference, to the
@@ -122,13 +123,18 @@ def test_fused_step_kernels_per_layer(tiny, attention, kernels):
 
 def test_row_dot_step_kernels_per_layer(tiny):
     """The row_dot step (recorded, not run): the fused step's five kinds of kernels per layer, each projection one
-    pass over weight rows."""
+    pass over weight rows, six kernels with the merge's; five with attention in one launch (the default)."""
     n = 2 * chunk_unit(tiny.config.head_dim) + 1
     backend = CudaBackend(tiny, n + 1, weights="bf16", ops=ROW_DOT)
     backend.rt.record(lambda: backend.prefill(list(range(n))))
     names = [launch[0] for launch in backend.rt.record(lambda: backend.decode(5))]
     layer = ["qkv_rope_rows", "flash_decode_chunks", "merge_chunks", "project_rows_add", "gate_up_swiglu_rows",
              "project_rows_add"]
+    assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
+    backend = CudaBackend(tiny, n + 1, weights="bf16", ops=FIVE)  # the default's: attention in one launch
+    backend.rt.record(lambda: backend.prefill(list(range(n))))
+    names = [launch[0] for launch in backend.rt.record(lambda: backend.decode(5))]
+    layer = ["qkv_rope_rows", "flash_decode", "project_rows_add", "gate_up_swiglu_rows", "project_rows_add"]
     assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
 
 

@@ -707,7 +707,7 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
             jobs.append((f"matmul_tiles_add[{kind}]", narrow.kernel_for("split_k", kind, rows, "f32", True,
                                                                         tiles=tiles),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
-            jobs.append(("add_norm_epilogue", narrow.add_norm_epilogue, f"void({F3}, {F2}, {F1}, float32, {F2})"))
+            jobs.append(("add_norm_epilogue", narrow.add_norm_kernel(3), f"void({F3}, {F2}, {F1}, float32, {F2})"))
             jobs.append((f"qkv_rope_tiles[{kind}]", fused.qkv_rope_tiles_kernel(tiles, kind, "f32", np.uint16, 64),
                          f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, uint16[:, :, ::1], "
                          f"uint16[:, :, ::1], {I1}, {I1}, {F2})"))
@@ -740,7 +740,7 @@ for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-deco
     dt = np.dtype(dtype)
     jobs.append((f"write_rows_flat[{dt}]", paged_attention._WRITE_ROWS[dt], f"void({F3}, {dt.name}[:, :, ::1], {I1})"))
     for group, hd, page in ((3, 64, 16), (4, 128, 16), (8, 128, 16), (4, 256, 16), (1, 40, 5)):
-        chunks, one_launch, rows = paged_attention._chunks_kernels(dt, group, hd, page)
+        chunks, one_launch, rows = paged_attention._chunks_kernels(dt, group, hd, page, group)
         args = f"{F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3}"
         jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]", chunks, f"void({args})"))
         if (group, hd) == (3, 64):

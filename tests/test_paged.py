@@ -271,6 +271,22 @@ def test_flash_batch_chunks(rng, n):
         check_flash(rng, T, 3, Hkv, hd, keys, "bf16", page_size=16, steps=pa.BATCH_CHUNK_STEPS)
 
 
+@pytest.mark.parametrize("rows", [False, True])  # one sequence's queries, or rows of several sequences
+def test_flash_heads_per_block_keep_the_bits(rng, rows):
+    """A block of one query head gives each head the bits of a block of the whole group (G = 3), whether the chunks
+    are merged by a kernel, by the last block of a query's heads, or by the last block of each row's heads."""
+    H, Hkv, hd, n, page = 3, 1, 16, 2 * pa.chunk_unit(16) + 5, 4  # three chunks: merged
+    q, k, v, page_table, positions, _, _ = paged_case(rng, 2, H, Hkv, hd, n, "bf16", page)
+    extra = dict(seq_of_row=dev(np.zeros(2, np.int32)), page_table=dev(page_table[None])) if rows else {}
+    for one_launch in ([True] if rows else [False, True]):
+        got = [pa.flash_attention(dev(q), dev(k), dev(v), extra.get("page_table", dev(page_table)), dev(positions),
+                                  page, max_len=n, out=poisoned(q.shape), one_launch=one_launch, heads=heads,
+                                  seq_of_row=extra.get("seq_of_row")).copy_to_host() for heads in (3, 1)]
+        np.testing.assert_array_equal(got[1].view(np.uint32), got[0].view(np.uint32))
+    with pytest.raises(ValueError, match="do not divide"):
+        pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page, max_len=n, heads=2)
+
+
 @pytest.mark.parametrize("steps", [pa.CHUNK_STEPS, pa.BATCH_CHUNK_STEPS])
 @pytest.mark.parametrize("one_launch", [False, True])
 def test_flash_grid_follows_the_chunk_steps(rng, monkeypatch, steps, one_launch):
@@ -286,7 +302,8 @@ def test_flash_grid_follows_the_chunk_steps(rng, monkeypatch, steps, one_launch)
     chunks, unit = pa.chunks_for(n, Hkv, hd, steps=steps)[1], pa.chunk_unit(hd, steps)
     assert chunks == (2 if steps == pa.BATCH_CHUNK_STEPS else 3)
     (grid, args), *merge = launches
-    assert grid == (chunks, Hkv, 1) and args[6] == unit  # (q, k, v, page_table, positions, target, unit, ...)
+    heads = pa.SEQUENCE_HEADS or 3  # a block per query head, or per KV head (its G = 3 query heads)
+    assert grid == (chunks, 3 // heads, 1) and args[6] == unit  # (q, k, v, page_table, positions, target, unit, ...)
     assert len(merge) == (0 if one_launch else 1)
     for _, args in merge:  # merge_chunks(o, m, l, positions, target, unit, out): the chunks counted alike
         assert args[5] == unit

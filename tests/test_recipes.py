@@ -37,7 +37,7 @@ def test_seeded_sampling_matches_reference(model, recipe):
 
 
 @pytest.mark.skipif(SIMULATOR, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("recipe", ["graph", "fused", "overlap", "row_dot"])
+@pytest.mark.parametrize("recipe", ["graph", "fused", "overlap", "row_dot", "five"])
 def test_graph_recipes_give_the_reference_tokens_on_several_prompts(smollm, recipe):
     """The step plan replayed as a CUDA graph, the tokens chosen on the GPU, with and without the fused residual,
     with and without overlapping launches."""
@@ -55,7 +55,7 @@ def test_graph_recipe_seeded_sampling_is_reproducible(smollm):
     first = engine.generate("Once upon a time", **kw).token_ids
     assert engine.generate("Once upon a time", **kw).token_ids == first
     # eight steps per replay, the fused step, overlapped, in one pass per projection: the same draws
-    for other in ("graph8", "fused", "overlap", "row_dot"):
+    for other in ("graph8", "fused", "overlap", "row_dot", "five"):
         assert cuda_engine(smollm, "bf16", other).generate("Once upon a time", **kw).token_ids == first, other
     assert engine.generate("Once upon a time", **(kw | {"seed": 6})).token_ids != first
 

@@ -69,6 +69,9 @@ PAGED = NARROW | {"kv_cache": "paged"}
 # head's last block from two chunks of keys up, 1.30 against 1.40 ms per step at 200 keys; data/h200_kernel_notes.md)
 FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused"}
 ROW_DOT = FUSED | {"projection": "row_dot"}
+# five kernels a layer: with a block per query head (paged_attention.SEQUENCE_HEADS), the merge by each head's last
+# chunk block beat the merge kernel up to 1k keys on the H200, and lost about 3% at 4k (data/bench_five_h200.json)
+FIVE = ROW_DOT | {"attention": "one_kernel"}
 # the batched step (course_lib.batch.CudaBatch): a row's bits must not depend on the batch, and the transposed
 # kernel's team of lanes per logit does not tile over many rows; chunks of keys for many rows
 BATCHED = FUSED | {"logits": "rows", "chunks": "two_steps"}

@@ -80,8 +80,14 @@ def row_rms(x, r, eps, scratch):
     if cuda.threadIdx.x < NORM_THREADS:
         for j in range(cuda.threadIdx.x, x.shape[1], NORM_THREADS):
             sum_sq += x[r, j] * x[r, j]
-    sum_sq = block_sum(sum_sq, scratch)
-    return float32(math.sqrt(sum_sq / float32(x.shape[1]) + eps))
+    return rms_of(block_sum(sum_sq, scratch), x.shape[1], eps)
+
+
+@cuda.jit(device=True)
+def rms_of(sum_sq, n, eps):
+    """sqrt(sum_sq / n + eps) in float32: the end of row_rms, shared by the kernels that add the squares their own
+    way (in row_rms's order)."""
+    return float32(math.sqrt(sum_sq / float32(n) + eps))
 
 
 # ---- kernels ----

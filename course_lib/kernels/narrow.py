@@ -72,7 +72,7 @@ from course_lib.kernels import (
     sm_count,
 )
 from course_lib.kernels import matmul as mm
-from course_lib.kernels.elementwise import rms_norm, row_rms, segment_sum
+from course_lib.kernels.elementwise import NORM_THREADS, block_sum, rms_norm, rms_of, row_rms, segment_sum
 from course_lib.kernels.overlap import inputs_ready, prefetch_l2, waits_for_inputs
 from course_lib.kernels.vector import (
     aligned16,
@@ -717,23 +717,53 @@ def tile_kernel(tile, kind, residue, bias, accumulate):
     return waits_for_inputs(cuda.jit(**tile_bounds(tm))(matmul_tiles))
 
 
-@waits_for_inputs
-@cuda.jit(**SPLIT_K_BOUNDS)
-def add_norm_epilogue(partial, x, gamma, eps, h):
-    """The epilogue of a batch's residual projection fused with the norm of the next one, a block per row r (grid R,
-    THREADS): x[r, n] += the S slices of partial [S, R, N] added in slice order (the bits of store_group's
-    accumulate), then h[r] = x[r] / rms(x[r]) * gamma [N] float32 (the bits of rms_norm: row_rms, the same
-    division and product). The block holds the whole row, so the norm needs no other launch (a tile kernel's last
-    block would have to normalize its chunk's rows alone: measured, slower than this launch)."""
-    inputs_ready()
-    scratch = cuda.shared.array(32, dtype=float32)
-    r = cuda.blockIdx.x
-    for n in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-        x[r, n] = x[r, n] + sum_slices(partial, r, n)
-    cuda.syncthreads()  # the row is whole: every thread's columns written
-    rms = row_rms(x, r, eps, scratch)
-    for n in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-        h[r, n] = x[r, n] / rms * gamma[n]
+@functools.cache
+def add_norm_kernel(per_thread: int):
+    """add_norm_epilogue for rows of at most NORM_THREADS x per_thread columns (a thread's columns in registers)."""
+    rounds = max(1, 4 * UNROLL // per_thread)  # slices a round: a thread's loads in flight, about 4 UNROLL
+
+    def add_norm_epilogue(partial, x, gamma, eps, h):
+        """The epilogue of a batch's residual projection fused with the norm of the next one, a block of NORM_THREADS
+        per row r (grid R): x[r, n] += the S slices of partial [S, R, N] added in slice order (the bits of
+        store_group's accumulate), then h[r] = x[r] / rms(x[r]) * gamma [N] float32 (the bits of rms_norm). Thread t
+        holds the columns t, t + NORM_THREADS, ... of row_rms's order, so the row stays in registers from the add to
+        the norm: one round of loads, one block reduction, the stores. x and gamma are read before the wait for the
+        kernel before (the slices' sums): x must not be written by it. The block holds the whole row, so the norm
+        needs no other launch (a tile kernel's last block would have to normalize its chunk's rows alone: measured,
+        slower than this launch)."""
+        xs = cuda.local.array(per_thread, dtype=float32)
+        gs = cuda.local.array(per_thread, dtype=float32)
+        total = cuda.local.array(per_thread, dtype=float32)
+        buf = cuda.local.array((per_thread, rounds), dtype=float32)
+        scratch = cuda.shared.array(32, dtype=float32)
+        r, tid = cuda.blockIdx.x, cuda.threadIdx.x
+        N, S = x.shape[1], partial.shape[0]
+        for i in range(per_thread):
+            total[i] = float32(0)
+            if tid + NORM_THREADS * i < N:
+                xs[i], gs[i] = x[r, tid + NORM_THREADS * i], gamma[tid + NORM_THREADS * i]
+        inputs_ready()
+        for s0 in range(0, S, rounds):  # sum_slices for each column, every load of a round issued first
+            for i in range(per_thread):
+                for u in range(rounds):
+                    if s0 + u < S and tid + NORM_THREADS * i < N:
+                        buf[i, u] = partial[s0 + u, r, tid + NORM_THREADS * i]
+            for i in range(per_thread):
+                for u in range(rounds):
+                    if s0 + u < S and tid + NORM_THREADS * i < N:
+                        total[i] += buf[i, u]
+        sum_sq = float32(0)
+        for i in range(per_thread):
+            if tid + NORM_THREADS * i < N:
+                xs[i] = xs[i] + total[i]
+                x[r, tid + NORM_THREADS * i] = xs[i]
+                sum_sq += xs[i] * xs[i]
+        rms = rms_of(block_sum(sum_sq, scratch), N, eps)
+        for i in range(per_thread):
+            if tid + NORM_THREADS * i < N:
+                h[r, tid + NORM_THREADS * i] = xs[i] / rms * gs[i]
+
+    return waits_for_inputs(cuda.jit(add_norm_epilogue))
 
 
 def tile_rows(tile) -> int:
@@ -1143,8 +1173,8 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
                 after_gamma, after_eps, h = norm_after
                 launch(tile_sums_kernel(tile, kind, residue), grid, TILE_THREADS, stream, rt, a_rows, weights,
                        partial[:, :n])
-                launch(add_norm_epilogue, n, THREADS, stream, rt, partial[:, :n], rest[0], after_gamma, after_eps,
-                       h[lo:hi])
+                launch(add_norm_kernel(-(-N // NORM_THREADS)), n, NORM_THREADS, stream, rt, partial[:, :n], rest[0],
+                       after_gamma, after_eps, h[lo:hi])
             else:
                 launch(kernel_of(tile_rows(tile), kind, bias_kind, False, False, (*tile, residue)), grid,
                        TILE_THREADS, stream, rt, *args)

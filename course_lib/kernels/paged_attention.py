@@ -74,6 +74,9 @@ UNROLL = 4  # keys per team and step: 2 UNROLL 16-byte groups of bf16 in flight 
 CHUNK_STEPS = 1  # a chunk is a whole number of this many steps of a block
 BATCH_CHUNK_STEPS = 2  # the same for a batched step (op chunks="two_steps"): its many rows already fill the GPU, and
 # every chunk past the first costs a merge (faster at 64 rows, slower for one sequence: notebook 07)
+SEQUENCE_HEADS = 1  # query heads per block of one sequence's flash-decoding (0: all G of its KV head): a block per
+# query head, G times the blocks (a short context's few blocks set its pace, not the G reads of K and V from L2)
+BATCH_HEADS = 0  # the same for a batch's rows, which fill the GPU without that: a block per KV head (faster there)
 BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastest of 2, 3 and 4 at 4k)
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
@@ -174,11 +177,11 @@ def chunk_unit(head_dim: int, steps: int = CHUNK_STEPS) -> int:
     return steps * tile_keys(head_dim)
 
 
-def _make_chunks(load8, group, head_dim, page_size):
-    """flash_decode_chunks for G = group query heads per KV head, head_dim (a multiple of 8) and page_size,
-    compile-time constants: a lane's scores and accumulators stay in registers, and the page arithmetic is shifts
-    for a power of two; load8(words, i) reads the 8 elements of group i of a table seen as uint32 words (16-byte
-    loads)."""
+def _make_chunks(load8, group, head_dim, page_size, heads):
+    """flash_decode_chunks for G = group query heads per KV head, `heads` of them per block (a divisor of G),
+    head_dim (a multiple of 8) and page_size, compile-time constants: a lane's scores and accumulators stay in
+    registers, and the page arithmetic is shifts for a power of two; load8(words, i) reads the 8 elements of group i
+    of a table seen as uint32 words (16-byte loads)."""
     team = team_size(head_dim)
     per_lane = head_dim // (8 * team)  # 8-element groups of a row per lane
     E = 8 * per_lane  # elements of a row per lane
@@ -214,11 +217,11 @@ def _make_chunks(load8, group, head_dim, page_size):
 
     @cuda.jit(device=True)
     def attend(q_s, first, hi, scale, k_r, v_r, s, m, l, acc):  # noqa: E741 (the l of the online softmax)
-        """The online softmax over keys first + u teams < hi (k_r, v_r loaded), for each head g: scores s (the
-        team's lanes add their parts by shuffles), m_new = max(m, s), l and acc rescaled by exp(m - m_new), then
-        p = exp(s - m_new) added to l and p v to acc. Keys past hi score -inf and change nothing."""
+        """The online softmax over keys first + u teams < hi (k_r, v_r loaded), for each head g of the block: scores
+        s (the team's lanes add their parts by shuffles), m_new = max(m, s), l and acc rescaled by exp(m - m_new),
+        then p = exp(s - m_new) added to l and p v to acc. Keys past hi score -inf and change nothing."""
         member = cuda.threadIdx.x % team
-        for g in range(group):
+        for g in range(heads):
             for u in range(UNROLL):
                 s[u, g] = float32(0)
             for i in range(per_lane):
@@ -227,10 +230,10 @@ def _make_chunks(load8, group, head_dim, page_size):
                     for u in range(UNROLL):
                         s[u, g] += qv * k_r[u, 8 * i + e]
         for u in range(UNROLL):
-            for g in range(group):
+            for g in range(heads):
                 dot = segment_sum(s[u, g], team)
                 s[u, g] = dot * scale if first + u * teams < hi else float32(-math.inf)
-        for g in range(group):
+        for g in range(heads):
             m_new = m[g]
             for u in range(UNROLL):
                 m_new = max(m_new, s[u, g])
@@ -248,9 +251,11 @@ def _make_chunks(load8, group, head_dim, page_size):
                 m[g] = m_new
 
     @cuda.jit(device=True)
-    def chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out, o_part,
+    def chunk_block(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out, o_part,
                     m_part, l_part):
-        """Chunk c of the keys 0..positions[t] of query t, KV head kvh, for its G query heads h0 .. h0 + G - 1.
+        """Chunk c of the keys 0..positions[t] of query t for the query heads h0 = j heads .. h0 + heads - 1, which
+        share KV head kvh = h0 // G (j: the block's group of heads). A query head's arithmetic depends on nothing but
+        its own query, keys and values: it gets the same bits in a block of one head and in a block of G.
 
         Launched programmatically (kernels/overlap.py), the block reads the first step of its keys *before* waiting
         for its inputs: the keys before `new_from` were written by earlier passes (only the pass's own keys, from
@@ -263,18 +268,18 @@ def _make_chunks(load8, group, head_dim, page_size):
         l_part [T, H, C] (max of the scores, sum of p = exp(score - m)), for the merge. Returns the query's number
         of chunks, or 0 at once when chunk c starts past its keys. Block THREADS.
         """
-        q_s = cuda.shared.array((group, head_dim), dtype=float32)
-        m_w = cuda.shared.array((WARPS, group), dtype=float32)
-        l_w = cuda.shared.array((WARPS, group), dtype=float32)
-        acc_w = cuda.shared.array((WARPS, group, head_dim), dtype=float32)
-        acc = cuda.local.array((group, E), dtype=float32)  # sum_j p_j v_j, this lane's components
-        m = cuda.local.array(group, dtype=float32)
-        l = cuda.local.array(group, dtype=float32)  # noqa: E741
-        s = cuda.local.array((UNROLL, group), dtype=float32)
+        q_s = cuda.shared.array((heads, head_dim), dtype=float32)
+        m_w = cuda.shared.array((WARPS, heads), dtype=float32)
+        l_w = cuda.shared.array((WARPS, heads), dtype=float32)
+        acc_w = cuda.shared.array((WARPS, heads, head_dim), dtype=float32)
+        acc = cuda.local.array((heads, E), dtype=float32)  # sum_j p_j v_j, this lane's components
+        m = cuda.local.array(heads, dtype=float32)
+        l = cuda.local.array(heads, dtype=float32)  # noqa: E741
+        s = cuda.local.array((UNROLL, heads), dtype=float32)
         k_r = cuda.local.array((UNROLL, E), dtype=float32)  # this lane's part of UNROLL keys and values
         v_r = cuda.local.array((UNROLL, E), dtype=float32)
         rows = cuda.local.array(UNROLL, dtype=int32)  # their rows in the tables
-        tid = cuda.threadIdx.x  # (c, kvh, t): the block's virtual index, given by the caller
+        tid = cuda.threadIdx.x  # (c, j, t): the block's virtual index, given by the caller
         n = positions[t] + 1
         length = _chunk_len(n, target, unit)
         lo = c * length
@@ -285,16 +290,17 @@ def _make_chunks(load8, group, head_dim, page_size):
         lane, warp = tid % 32, tid // 32
         member = lane % team  # this lane reads the 8-element groups member, member + team, ... of a row
         me = warp * (32 // team) + lane // team  # this lane's team in the block
-        h0 = kvh * group
+        h0 = j * heads
+        kvh = h0 // group
         find_rows(page_table, lo + me, hi, rows)  # the first step's keys, in flight during the kernel before
         load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
         inputs_ready()
         for u in range(UNROLL):  # those written by this pass, again (the keys the team reads, as find_rows clamps)
             if min(lo + me + u * teams, hi - 1) >= new_from:
                 load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
-        for x in range(tid, group * head_dim, THREADS):
+        for x in range(tid, heads * head_dim, THREADS):
             q_s[x // head_dim, x % head_dim] = q[t, h0 + x // head_dim, x % head_dim]
-        for g in range(group):
+        for g in range(heads):
             for e in range(E):
                 acc[g, e] = float32(0)
             m[g] = float32(-math.inf)
@@ -309,7 +315,7 @@ def _make_chunks(load8, group, head_dim, page_size):
 
         width = team  # the teams of a warp merge by shuffles, then the warps in shared memory: a fixed order
         while width < 32:
-            for g in range(group):
+            for g in range(heads):
                 m_o = cuda.shfl_xor_sync(FULL_MASK, m[g], width)
                 l_o = cuda.shfl_xor_sync(FULL_MASK, l[g], width)
                 m_new = max(m[g], m_o)
@@ -321,7 +327,7 @@ def _make_chunks(load8, group, head_dim, page_size):
                 m[g] = m_new
             width *= 2
         if lane < team:
-            for g in range(group):
+            for g in range(heads):
                 if lane == 0:
                     m_w[warp, g] = m[g]
                     l_w[warp, g] = l[g]
@@ -330,7 +336,7 @@ def _make_chunks(load8, group, head_dim, page_size):
                         acc_w[warp, g, 8 * (member + team * i) + e] = acc[g, 8 * i + e]
         cuda.syncthreads()
         count = (n + length - 1) // length  # the query's chunks
-        for x in range(tid, group * head_dim, THREADS):
+        for x in range(tid, heads * head_dim, THREADS):
             g, d = x // head_dim, x % head_dim
             m_all = m_w[0, g]
             for w in range(1, WARPS):
@@ -355,27 +361,27 @@ def _make_chunks(load8, group, head_dim, page_size):
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
                             l_part):
-        """chunk_block (c, kvh, t) = blockIdx (x, y, z), the keys from positions[0] on new (the rows of one
-        sequence); merge_chunks merges the queries with several chunks. Grid (C, Hkv, T), block THREADS."""
+        """chunk_block (c, j, t) = blockIdx (x, y, z), the keys from positions[0] on new (the rows of one
+        sequence); merge_chunks merges the queries with several chunks. Grid (C, H / heads, T), block THREADS."""
         chunk_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions,
                     positions[0], target, unit, scale, out, o_part, m_part, l_part)
 
     @cuda.jit(device=True)
-    def chunk_then_merge(c, kvh, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
+    def chunk_then_merge(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
                          o_part, m_part, l_part, counters):
-        """chunk_block, then the last of a query's chunk blocks for KV head kvh to finish (counters[t Hkv + kvh],
-        last_to_arrive) merges the G heads of the group at once (merge_heads)."""
-        count = chunk_block(c, kvh, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
+        """chunk_block, then the last of a query's chunk blocks for the heads j to finish (counters[t H / heads + j],
+        last_to_arrive) merges those heads at once (merge_heads)."""
+        count = chunk_block(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
                             o_part, m_part, l_part)
-        if count > 1 and last_to_arrive(counters, t * (q.shape[1] // group) + kvh, count):
-            merge_heads(o_part, m_part, l_part, t, kvh * group, group, count, out)
+        if count > 1 and last_to_arrive(counters, t * (q.shape[1] // heads) + j, count):
+            merge_heads(o_part, m_part, l_part, t, j * heads, heads, count, out)
 
     @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part,
                      counters):
-        """Attention in one launch: chunk_then_merge for (c, kvh, t) = blockIdx, the keys from positions[0] on new.
-        Grid (C, Hkv, T), block THREADS."""
+        """Attention in one launch: chunk_then_merge for (c, j, t) = blockIdx, the keys from positions[0] on new.
+        Grid (C, H / heads, T), block THREADS."""
         chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table,
                          positions, positions[0], target, unit, scale, out, o_part, m_part, l_part, counters)
 
@@ -385,9 +391,12 @@ def _make_chunks(load8, group, head_dim, page_size):
                           m_part, l_part, counters):
         """flash_decode for rows of several sequences (a batched decode step): row t reads its keys through the
         page table of its sequence, page_tables[seq_of_row[t]] ([S, P] int32), its key positions[t] the only new
-        one (a row per sequence). Grid (C, Hkv, T), block THREADS."""
-        t = cuda.blockIdx.z
-        chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, t, q, k_words, v_words, page_tables[seq_of_row[t]],
+        one (a row per sequence). Grid (H / heads, T, C), block THREADS: the chunk is the slowest index, so that
+        the blocks start in chunk order, every row's first chunk before any second one: a launch of more blocks than
+        the GPU holds at once leaves its short last chunks to the second wave, not half of the rows' whole first
+        chunks."""
+        t = cuda.blockIdx.y
+        chunk_then_merge(cuda.blockIdx.z, cuda.blockIdx.x, t, q, k_words, v_words, page_tables[seq_of_row[t]],
                          positions, positions[t], target, unit, scale, out, o_part, m_part, l_part, counters)
 
     return flash_decode_chunks, flash_decode, flash_decode_rows
@@ -447,23 +456,24 @@ def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
         merge_heads(o_part, m_part, l_part, t, cuda.blockIdx.x, 1, n_chunks, out)
 
 
-_CHUNKS = {}  # (dtype, group, head_dim, page_size) -> (flash_decode_chunks, flash_decode, flash_decode_rows)
+_CHUNKS = {}  # (dtype, group, head_dim, page_size, heads) -> (flash_decode_chunks, flash_decode, flash_decode_rows)
 
 
-def _chunks_kernels(dtype, group, head_dim, page_size):
+def _chunks_kernels(dtype, group, head_dim, page_size, heads):
     """(flash_decode_chunks, flash_decode, flash_decode_rows) for tables of `dtype` (float32, or uint16 holding
-    bf16), built on first use."""
-    key = (np.dtype(dtype), group, head_dim, page_size)
+    bf16) and `heads` query heads per block, built on first use."""
+    key = (np.dtype(dtype), group, head_dim, page_size, heads)
     if key not in _CHUNKS:
         loads = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}
         if key[0] not in loads:
             raise TypeError(f"KV tables must be float32 or bf16 stored as uint16, got {dtype}")
-        _CHUNKS[key] = _make_chunks(loads[key[0]], group, head_dim, page_size)
+        _CHUNKS[key] = _make_chunks(loads[key[0]], group, head_dim, page_size, heads)
     return _CHUNKS[key]
 
 
 def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_len=None, out=None, stream=0,
-                    rt=None, one_launch: bool = False, seq_of_row=None, chunk_steps: int = CHUNK_STEPS):
+                    rt=None, one_launch: bool = False, seq_of_row=None, chunk_steps: int = CHUNK_STEPS,
+                    heads: int | None = None):
     """Causal GQA attention of one sequence through its page table: flash_decode_chunks, then merge_chunks; or,
     one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish). With
     seq_of_row [T] int32, the rows belong to several sequences: page_table is [S, P], one row per sequence, row t
@@ -478,7 +488,8 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     P * page_size, unchecked). max_len: an upper bound of max(positions) + 1 on the host (it sizes the grid; a
     larger one costs idle blocks, never changes the result); None reads positions back from the device (a sync).
     chunk_steps: the chunks' block steps (chunk_unit); a query's bits depend on it, so every pass over a cache
-    takes the same.
+    takes the same. heads: query heads per block, a divisor of G (None: SEQUENCE_HEADS for one sequence's queries,
+    BATCH_HEADS for a batch's rows; 0 there: G, every head of a KV head); the bits do not depend on it.
     H a multiple of Hkv, G = H / Hkv <= MAX_GROUP, hd a multiple of 8 and <= MAX_HEAD_DIM, G hd <= MAX_GROUP_DIMS.
     -> out [T, H, hd] float32 (the same bits either way).
     """
@@ -492,7 +503,12 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
                          f"hd a multiple of 8, <= {MAX_HEAD_DIM}, H / Hkv x hd <= {MAX_GROUP_DIMS})")
     if not (aligned16(k_table) and aligned16(v_table)):
         raise ValueError("flash_attention: the key and value tables must be C-contiguous and 16-byte aligned")
-    chunks_kernel, one_kernel, rows_kernel = _chunks_kernels(k_table.dtype, H // Hkv, hd, page_size)
+    G = H // Hkv
+    if heads is None:
+        heads = (SEQUENCE_HEADS if seq_of_row is None else BATCH_HEADS) or G
+    if heads < 1 or G % heads:
+        raise ValueError(f"flash_attention: {heads} query heads per block do not divide the {G} of a KV head")
+    chunks_kernel, one_kernel, rows_kernel = _chunks_kernels(k_table.dtype, G, hd, page_size, heads)
     if (seq_of_row is None) != (page_table.ndim == 1) or (seq_of_row is not None and seq_of_row.shape != (T,)):
         raise ValueError(f"flash_attention: a page table [P] for one sequence, or [S, P] with seq_of_row [T]; got "
                          f"{page_table.shape} and {None if seq_of_row is None else seq_of_row.shape}")
@@ -509,19 +525,19 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)
     if n_chunks == 1 and seq_of_row is None:  # each query normalizes its one chunk: no partial results, no merge
-        launch(chunks_kernel, (1, Hkv, T), THREADS, stream, rt, *common, out.reshape(T, H, 1, hd), out, out)
+        launch(chunks_kernel, (1, H // heads, T), THREADS, stream, rt, *common, out.reshape(T, H, 1, hd), out, out)
         return out
     parts = (empty((T, H, n_chunks, hd), np.float32, stream, rt), empty((T, H, n_chunks), np.float32, stream, rt),
              empty((T, H, n_chunks), np.float32, stream, rt))
     if seq_of_row is not None or one_launch:
-        counters = completion_counters(T * Hkv) if rt is None else rt.counters(T * Hkv)
+        counters = completion_counters(T * H // heads) if rt is None else rt.counters(T * H // heads)
         if seq_of_row is not None:
-            launch(rows_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, q, common[1], common[2], page_table,
+            launch(rows_kernel, (H // heads, T, n_chunks), THREADS, stream, rt, q, common[1], common[2], page_table,
                    seq_of_row, *common[4:], *parts, counters)
         else:
-            launch(one_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts, counters)
+            launch(one_kernel, (n_chunks, H // heads, T), THREADS, stream, rt, *common, *parts, counters)
     else:
-        launch(chunks_kernel, (n_chunks, Hkv, T), THREADS, stream, rt, *common, *parts)
+        launch(chunks_kernel, (n_chunks, H // heads, T), THREADS, stream, rt, *common, *parts)
         launch(merge_chunks, (H, T), min(MERGE_THREADS, -(-hd // 32) * 32), stream, rt, *parts, positions, target,
                unit, out)
     return out
