@@ -13,7 +13,7 @@ from course_lib.recipes import RECIPES
 
 RECORDED = records.path("06_launches_h200.json")
 # recipes added after that run -> the recorded run that has them
-LATER = {"overlap": "bench_default_h200.json", "row_dot": "bench_row_dot_h200.json"}
+LATER = {"overlap": "bench_default_h200.json", "row_dot": "bench_row_dot_h200.json", "five": "bench_five_h200.json"}
 
 
 def test_recorded_results_format_as_a_table():
