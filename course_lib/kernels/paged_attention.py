@@ -7,13 +7,16 @@ sequence's logical key j lives at row page_table[j // page_size] * page_size + j
 uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16).
 
 `flash_attention` (flash decoding: split the keys, then merge), two kernels, or one:
-1. `flash_decode_chunks`, grid (chunks, Hkv, T), WARPS warps: a block takes one chunk of the keys of query t for
-   KV head kvh and ALL the G = H / Hkv query heads that share it, so each key and value is read once for the
-   group. A key row (hd elements) is read by a team of `team_size(hd)` lanes, each taking 8 adjacent elements
-   per 16-byte load (bf16; two loads for float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every
+1. `flash_decode_chunks`, grid (chunks, H / heads, T), WARPS warps: a block takes one chunk of the keys of query t
+   for `heads` of the G = H / Hkv query heads that share a KV head: all G, so that each key and value is read
+   once for the group (a batch's rows, BATCH_HEADS), or one (a sequence's queries, SEQUENCE_HEADS: G times the
+   blocks, each key read G times, from the L2 cache after the first; a short context's few blocks were its pace).
+   A head's arithmetic never depends on the other heads of its block: the same bits either way. A key row (hd
+   elements) is read by a team of `team_size(hd)` lanes, each taking 8 adjacent elements per 16-byte load (bf16;
+   two loads for float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every
    lane issues all the key and value loads of UNROLL keys of its team, then the page-table loads of the next
    step's rows (they arrive while this step computes: a lookup never delays a step's loads), then computes its
-   part of the G dot products (the queries are in shared memory), which the team adds by
+   part of its heads' dot products (the queries are in shared memory), which the team adds by
    shuffles; each team keeps its own online softmax (running max m, sum l = sum exp(score - m), and the lane's
    components of acc = sum p v) in registers. No barrier in the loop over keys. At the end the teams of a warp
    merge by shuffles and the warps through shared memory (m = max, l and acc rescaled by exp(m_part - m), in a
@@ -25,11 +28,12 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    fixed order (no atomics: the same bits from run to run). A thread per component (h, d) loads o, m and l of
    MERGE_UNROLL chunks at once and merges them online (one memory latency per round, not one per quantity).
    Skipped (not launched) when no query has two chunks.
-Or `flash_decode`, one launch (notebook 05): the chunk blocks of 1., then the last of a query's blocks for a KV head
-to finish (a completion counter, kernels.last_to_arrive) merges the group's G heads at once with merge_chunks' own
+Or `flash_decode`, one launch (notebook 05): the chunk blocks of 1., then the last of a query's blocks for a group
+of heads to finish (a completion counter, kernels.last_to_arrive) merges those heads at once with merge_chunks' own
 device function, `merge_heads` (a thread per component: the same bits as the merge kernel). `flash_decode_rows` does
 the same for the rows of several sequences (a batched decode step), each row reading its keys through its own
-sequence's page table. The kernels are thin wrappers around the device functions `chunk_block` and `merge_heads` of
+sequence's page table (grid (H / heads, T, chunks): every row's first chunk starts before any second one). The
+kernels are thin wrappers around the device functions `chunk_block` and `merge_heads` of
 (virtual block index, buffers).
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
