@@ -967,6 +967,25 @@ def test_norm_after_the_residual_is_rms_norm_bit_for_bit(rng, N, left):
         nw.matmul_narrow(a_dev, b_dev, out=dev(x), norm_after=(gamma_dev, eps, h))
 
 
+@pytest.mark.parametrize("N", [72, 2 * ew.NORM_THREADS + 5])  # columns a thread holds: 3 (1 in the simulator), more
+def test_add_norm_epilogue_over_rounds_of_slices(rng, N):
+    """add_norm_epilogue alone on more slices than a thread loads at once (several rounds): x gets x + the slices
+    added in slice order from zero, h the bits of rms_norm(x) afterwards, whatever the columns a thread holds."""
+    per_thread = -(-N // ew.NORM_THREADS)
+    S, R, eps = max(1, 4 * nw.UNROLL // per_thread) * 2 + 3, 3, np.float32(1e-5)
+    partial, x = randn(rng, S, R, N), randn(rng, R, N)
+    gamma = 1 + randn(rng, N, scale=0.1)
+    want = np.zeros((R, N), np.float32)
+    for s in range(S):  # float32 additions in slice order, as the kernel's
+        want = want + partial[s]
+    want = x + want
+    x_dev, h = dev(x), poisoned((R, N))
+    nw.add_norm_kernel(per_thread)[R, ew.NORM_THREADS](dev(partial), x_dev, dev(gamma), eps, h)
+    np.testing.assert_array_equal(x_dev.copy_to_host().view(np.uint32), want.view(np.uint32))
+    normed = ew.rms_norm(dev(want), dev(gamma), eps, out=poisoned((R, N))).copy_to_host()
+    np.testing.assert_array_equal(h.copy_to_host().view(np.uint32), normed.view(np.uint32))
+
+
 def test_matmul_narrow_rejects(rng):
     a, b = dev(np.zeros((0, 8), np.float32)), dev(randn(rng, 8, 5))  # no rows (any number >= 1 is taken)
     with pytest.raises(ValueError, match="rows"):
