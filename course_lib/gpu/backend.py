@@ -70,7 +70,8 @@ PAGED = NARROW | {"kv_cache": "paged"}
 FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused"}
 ROW_DOT = FUSED | {"projection": "row_dot"}
 # five kernels a layer: with a block per query head (paged_attention.SEQUENCE_HEADS), the merge by each head's last
-# chunk block beat the merge kernel up to 1k keys on the H200, and lost about 3% at 4k (data/bench_five_h200.json)
+# chunk block matched or beat the merge kernel up to 1k keys on the H200, and lost about 3% at 4k
+# (data/batch_add_norm_h200.json; the bench of both on the real model: data/bench_five_h200.json)
 FIVE = ROW_DOT | {"attention": "one_kernel"}
 # the batched step (course_lib.batch.CudaBatch): a row's bits must not depend on the batch, and the transposed
 # kernel's team of lanes per logit does not tile over many rows; chunks of keys for many rows
