@@ -125,17 +125,13 @@ def test_row_dot_step_kernels_per_layer(tiny):
     """The row_dot step (recorded, not run): the fused step's five kinds of kernels per layer, each projection one
     pass over weight rows, six kernels with the merge's; five with attention in one launch (the default)."""
     n = 2 * chunk_unit(tiny.config.head_dim) + 1
-    backend = CudaBackend(tiny, n + 1, weights="bf16", ops=ROW_DOT)
-    backend.rt.record(lambda: backend.prefill(list(range(n))))
-    names = [launch[0] for launch in backend.rt.record(lambda: backend.decode(5))]
-    layer = ["qkv_rope_rows", "flash_decode_chunks", "merge_chunks", "project_rows_add", "gate_up_swiglu_rows",
-             "project_rows_add"]
-    assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
-    backend = CudaBackend(tiny, n + 1, weights="bf16", ops=FIVE)  # the default's: attention in one launch
-    backend.rt.record(lambda: backend.prefill(list(range(n))))
-    names = [launch[0] for launch in backend.rt.record(lambda: backend.decode(5))]
-    layer = ["qkv_rope_rows", "flash_decode", "project_rows_add", "gate_up_swiglu_rows", "project_rows_add"]
-    assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
+    merged = ["flash_decode_chunks", "merge_chunks"], ["flash_decode"]  # row_dot's attention; the default's, one launch
+    for ops, attention in zip((ROW_DOT, FIVE), merged, strict=True):
+        backend = CudaBackend(tiny, n + 1, weights="bf16", ops=ops)
+        backend.rt.record(lambda b=backend: b.prefill(list(range(n))))
+        names = [launch[0] for launch in backend.rt.record(lambda b=backend: b.decode(5))]
+        layer = ["qkv_rope_rows", *attention, "project_rows_add", "gate_up_swiglu_rows", "project_rows_add"]
+        assert names == ["embedding_rows", *layer * tiny.config.n_layers, "matmul_transposed_vec"]
 
 
 def test_row_dot_needs_the_fused_epilogues(tiny):

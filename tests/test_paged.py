@@ -277,11 +277,11 @@ def test_flash_heads_per_block_keep_the_bits(rng, rows):
     are merged by a kernel, by the last block of a query's heads, or by the last block of each row's heads."""
     H, Hkv, hd, n, page = 3, 1, 16, 2 * pa.chunk_unit(16) + 5, 4  # three chunks: merged
     q, k, v, page_table, positions, _, _ = paged_case(rng, 2, H, Hkv, hd, n, "bf16", page)
-    extra = dict(seq_of_row=dev(np.zeros(2, np.int32)), page_table=dev(page_table[None])) if rows else {}
+    table, seq_of_row = (dev(page_table[None]), dev(np.zeros(2, np.int32))) if rows else (dev(page_table), None)
     for one_launch in ([True] if rows else [False, True]):
-        got = [pa.flash_attention(dev(q), dev(k), dev(v), extra.get("page_table", dev(page_table)), dev(positions),
-                                  page, max_len=n, out=poisoned(q.shape), one_launch=one_launch, heads=heads,
-                                  seq_of_row=extra.get("seq_of_row")).copy_to_host() for heads in (3, 1)]
+        got = [pa.flash_attention(dev(q), dev(k), dev(v), table, dev(positions), page, max_len=n,
+                                  out=poisoned(q.shape), one_launch=one_launch, heads=heads,
+                                  seq_of_row=seq_of_row).copy_to_host() for heads in (3, 1)]
         np.testing.assert_array_equal(got[1].view(np.uint32), got[0].view(np.uint32))
     with pytest.raises(ValueError, match="do not divide"):
         pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page, max_len=n, heads=2)
