@@ -284,19 +284,23 @@ def check_attention(rng, T, H, Hkv, hd, S, positions):
 
 def _sample_on_device(logits, temperature=0.0, top_k=None, top_p=None, seed=0, position=1):
     """sample_next on logits (a copy on the device) for the token at `position`: (the token, the advanced inputs
-    token, position, slot, and history[position]), every output poisoned first."""
-    V = logits.size
+    token, position, slot, history[position], and x, the chosen token's row of an embedding table of random bf16
+    bits (token 0's for NO_TOKEN)), every output poisoned first."""
+    V, d = logits.size, 24
     token, pos, slot = poisoned(1, np.int32), dev(np.array([position - 1], np.int32)), poisoned(1, np.int32)
-    history = poisoned(position + 2, np.int32)
+    history, x = poisoned(position + 2, np.int32), poisoned((1, d))
     settings = dev(np.array([temperature, 1.0 if top_p is None else top_p]))
     top_k_seed = dev(np.array([top_k or 0, seed], np.int64))
     table = dev(np.array([5, 2, 7], np.int32))
-    sampling.sample_next[1, sampling.THREADS](dev(logits), cuda.device_array(V, np.uint64), settings, top_k_seed,
-                                              token, pos, slot, table, 4, history)
+    bits = np.random.default_rng([V, position, seed]).integers(0, 0x7F80, (V, d), dtype=np.uint16)  # finite bf16
+    embed = dev(bits | np.uint16(0x8000) * (bits & 1))  # both signs
+    sampling.sample_next(embed)[1, sampling.THREADS](dev(logits), cuda.device_array(V, np.uint64), settings,
+                                                     top_k_seed, token, pos, slot, table, 4, history, embed, x)
     tok = int(token.copy_to_host()[0])
     assert pos.copy_to_host()[0] == position and history.copy_to_host()[position] == tok
     want_slot = table.copy_to_host()[position // 4] * 4 + position % 4 if position < 12 else -1
     assert slot.copy_to_host()[0] == want_slot
+    np.testing.assert_array_equal(x.copy_to_host()[0], bf16_to_f32(embed.copy_to_host()[max(tok, 0)]))
     return tok
 
 
@@ -652,8 +656,8 @@ jobs = [
     ("silu_mul_flat", elementwise.silu_mul_flat, f"void({F1}, {F1}, {F1})"),
     ("add_flat", elementwise.add_flat, f"void({F1}, {F1}, {F1})"),
     ("attention_two_pass", attention.attention_two_pass, f"void({F3}, {F3}, {F3}, {I1}, float32, {F3})"),
-    ("sample_next", sampling.sample_next, f"void({F1}, uint64[::1], float64[::1], int64[::1], {I1}, {I1}, {I1}, "
-     f"{I1}, int64, {I1})"),
+    ("sample_next", sampling.sample_next(np.zeros(1, np.uint16)), f"void({F1}, uint64[::1], float64[::1], "
+     f"int64[::1], {I1}, {I1}, {I1}, {I1}, int64, {I1}, uint16[:, ::1], {F2})"),
     ("feed_tokens", sampling.feed_tokens, f"void({I1}, {I1}, {I1})"),
     ("sample_rows", sampling.sample_rows, f"void({F2}, uint64[:, ::1], float64[:, ::1], int64[:, ::1], {I1}, {I1})"),
     ("copy_grid_stride", copy.copy_grid_stride, f"void({F1}, {F1})"),

@@ -229,16 +229,20 @@ class CudaBackend:
         self.length = start + T
         return logits
 
-    def run_pass(self, rt, ids_d, pos_d, slots_d, tables, T: int, max_len: int, all_logits: bool = False):
+    def run_pass(self, rt, ids_d, pos_d, slots_d, tables, T: int, max_len: int, all_logits: bool = False,
+                 embedded: bool = False):
         """The layers, through runtime rt, on inputs already on the device: ids_d, pos_d [T] int32 (token ids and
         their positions), slots_d [T] int32 (paged cache: the cache rows of the new tokens) and tables: the page
         table [pages] int32 of the sequence the T rows belong to, or, for rows of several sequences (a batched
-        decode step), (page tables [S, pages], seq_of_row [T]) int32; max_len >= every position + 1. -> logits
-        [T, V], or [1, V] of the last token.
+        decode step), (page tables [S, pages], seq_of_row [T]) int32; max_len >= every position + 1. embedded: the
+        buffer "x" already holds the embeddings of ids_d (a step plan's sampler wrote them), no embedding kernel.
+        -> logits [T, V], or [1, V] of the last token.
         Every intermediate has a name: with a recycling runtime (the paged recipe, a step plan) that name is one
         buffer of the pass, reused by every layer."""
         c, w, layers = self.config, self.w, self.w["layers"]
-        x = k_elt.embedding(w["embed"], ids_d, out=rt.empty((T, c.d_model), name="x"), rt=rt)
+        x = rt.empty((T, c.d_model), name="x")
+        if not embedded:
+            k_elt.embedding(w["embed"], ids_d, out=x, rt=rt)
         h = None  # RMSNorm(x) * gamma of the next norm, when the projection that last added into x wrote it
         for i, lw in enumerate(layers):
             q = self._attention_inputs(rt, x, h, lw, i, pos_d, slots_d, T)

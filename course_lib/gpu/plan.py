@@ -13,7 +13,8 @@ recorded once and replayed:
   `capacity` keys and always merges them (its merge kernel, or its last blocks in one launch); blocks past the
   current context return at once;
 - the step ends with the sampler, which chooses the next tokens on the GPU and writes them into host memory that the
-  GPU writes directly (4 bytes per token cross to the host, not the 4 V bytes of the logits).
+  GPU writes directly (4 bytes per token cross to the host, not the 4 V bytes of the logits); a sequence's sampler
+  also writes the chosen token's embedding row into `x`, so that its next step starts with the first layer.
 
 `run()` launches the recorded list (the arguments flattened once); `capture(steps)` records `steps` steps into a CUDA
 graph (course_lib.gpu.graphs), replayed by one call. In the simulator there are no graphs: the same plan runs launch
@@ -112,7 +113,9 @@ class StepPlan(Recorded):
     Buffers (all allocated here, once): inputs `token`, `position`, `slot` ([1] int32 each, views of `inputs`),
     `page_table` [pages] int32, the sampling settings `temperature_top_p` float64 [2] and `top_k_seed` int64 [2],
     `history` [capacity + 1] int32 in mapped host memory (history[p]: the id chosen for position p), the sampler's
-    `weights` uint64 [V], and the step's activations and scratch (`rt`'s named pool)."""
+    `weights` uint64 [V], the residual stream `x` [1, d_model] float32 (the sampler writes the next token's
+    embedding into it: the step has no embedding kernel), and the step's activations and scratch (`rt`'s named
+    pool)."""
 
     def __init__(self, backend, overlap: bool = False):
         if not backend.paged:
@@ -128,6 +131,7 @@ class StepPlan(Recorded):
         self.top_k_seed = rt.empty(2, np.int64, name="top_k_seed")
         self.weights = rt.empty(c.vocab_size, np.uint64, name="sampler_weights")
         self.history = cuda.mapped_array(self.capacity + 1, np.int32)
+        self.x = rt.empty((1, c.d_model), np.float32, name="x")  # the residual stream; the sampler embeds into it
         self._staging = {}  # pinned host copies of the inputs, one per buffer
         self._table_sent = None
         super().__init__(rt, self._step)
@@ -140,14 +144,17 @@ class StepPlan(Recorded):
 
     def _step(self):
         b = self.backend
-        logits = b.run_pass(self.rt, self.token, self.position, self.slot, self.page_table, 1, self.capacity)
+        logits = b.run_pass(self.rt, self.token, self.position, self.slot, self.page_table, 1, self.capacity,
+                            embedded=True)
         self._sample(logits, self.rt)
 
     def _sample(self, logits, rt):
-        """Queue the sampler on logits [1, V]: the token after `position`, and the step's inputs advanced."""
-        launch(k_sampling.sample_next, 1, k_sampling.THREADS, 0, rt, reshaped(logits, logits.shape[1]),
+        """Queue the sampler on logits [1, V]: the token after `position`, the step's inputs advanced, and the
+        token's embedding row written into `x`, where the next step's first layer reads it."""
+        table = self.backend.w["embed"]
+        launch(k_sampling.sample_next(table), 1, k_sampling.THREADS, 0, rt, reshaped(logits, logits.shape[1]),
                self.weights, self.temperature_top_p, self.top_k_seed, self.token, self.position, self.slot,
-               self.page_table, self.backend.cache.page_size, self.history)
+               self.page_table, self.backend.cache.page_size, self.history, table, self.x)
 
     # ---- the host's side ----
 

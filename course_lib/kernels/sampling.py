@@ -1,8 +1,9 @@
 """Choosing the next token on the GPU: greedy argmax, or seeded temperature / top-k / top-p sampling, in one block.
 
 The decode step ends here, so that the host never needs the 4 * V bytes of logits: `sample_next` writes the chosen
-id where the next step's embedding reads it, advances the position and the cache slot, and records the id in a
-history the host reads (4 bytes per token). `sample_rows` samples the rows of a batch, one block per row, each with
+id's embedding row into the residual stream where the next step's first layer reads it (the embedding needs no
+kernel of its own), advances the position and the cache slot, and records the id in a history the host reads (4
+bytes per token). `sample_rows` samples the rows of a batch, one block per row, each with
 its own settings and position (`sample_batch` on the host): T ids come back instead of T x V logits.
 
 The rule, the same in `sample` (NumPy, the twin the kernels are tested against) and in `choose` (the kernels' body):
@@ -24,7 +25,7 @@ import math
 import numpy as np
 from numba import float32, float64, int32, int64, uint32, uint64
 
-from course_lib.kernels import SIMULATOR, cuda, empty, launch, sized
+from course_lib.kernels import SIMULATOR, cuda, empty, for_weight_dtypes, launch, pick, sized
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 
@@ -296,25 +297,43 @@ def choose(logits, weights, temperature, top_p, top_k, seed, position):
     return choice[0]
 
 
-@waits_for_inputs
-@cuda.jit
-def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
-                history):
-    """Choose the token after position[0] from logits [V] float32 (`choose`), then advance the step:
-    history[p + 1] = token[0] = the choice, position[0] = p + 1, slot[0] = its cache row (-1 past the page table).
+def _make_sample_next(to_f32):
+    @waits_for_inputs
+    @cuda.jit
+    def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
+                    history, table, x):
+        """Choose the token after position[0] from logits [V] float32 (`choose`), then feed the next step:
+        history[p + 1] = token[0] = the choice, position[0] = p + 1, slot[0] = its cache row (-1 past the page
+        table), and x[0] = table[choice] (its embedding row, as embedding_rows writes it: the next step starts at
+        its first layer, no embedding kernel; token 0's row for NO_TOKEN, whose step is never read).
 
-    weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
-    <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]. One block of THREADS."""
-    inputs_ready()
-    p = position[0]
-    tok = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1)
-    if cuda.threadIdx.x == 0:
-        nxt = p + 1
-        history[nxt] = tok
-        token[0] = tok
-        position[0] = nxt
-        slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size if nxt < page_table.shape[0] * page_size \
-            else -1
+        weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
+        <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]; table [V, d] float32 or bf16
+        bits (to_f32 reads it), x [1, d] float32 (written after the wait: the kernel before, the logits', reads it).
+        One block of THREADS."""
+        inputs_ready()
+        p = position[0]
+        tok = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1)
+        row = max(tok, 0)
+        for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            x[0, j] = to_f32(table[row, j])
+        if cuda.threadIdx.x == 0:
+            nxt = p + 1
+            history[nxt] = tok
+            token[0] = tok
+            position[0] = nxt
+            slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size \
+                if nxt < page_table.shape[0] * page_size else -1
+
+    return sample_next
+
+
+_SAMPLE_NEXT = for_weight_dtypes(_make_sample_next)
+
+
+def sample_next(table):
+    """The sample_next kernel for an embedding table of table's dtype (float32, or bf16 bits in uint16)."""
+    return pick(_SAMPLE_NEXT, table)
 
 
 @waits_for_inputs
