@@ -202,15 +202,15 @@ def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny, monk
     start, attention = CudaBatch.start, pa.flash_attention
     monkeypatch.setattr(CudaBatch, "start", lambda self, seqs, feeds: (start(self, seqs, feeds),
                                                                        steps.append((len(seqs), max(self.plans))))[0])
-    monkeypatch.setattr(pa, "flash_attention", lambda *a, chunk_steps=pa.CHUNK_STEPS, **kw: (
-        chunked.append(chunk_steps), attention(*a, chunk_steps=chunk_steps, **kw))[1])
+    monkeypatch.setattr(pa, "flash_attention", lambda *a, chunks=pa.SEQUENCE_CHUNKS, **kw: (
+        chunked.append(chunks), attention(*a, chunks=chunks, **kw))[1])
     prompts, kw = [list(range(1, 16)), "Hi", [7]], dict(max_new_tokens=3, stop=False)
     outs = generate_batch(tiny, prompts, backend="cuda", pages=3, **kw)
     assert steps[0] == (3, 4) and outs[2].preemptions == 1 and "continuous batching" in outs[0].backend
     expected = [generate(as_computed(tiny, "bf16"), p, backend="numpy", **kw).token_ids for p in prompts]
     assert [o.token_ids for o in outs] == expected
     # every pass (prefills, the recompute, the steps of both buckets' plans) chunks the keys alike: a batch's chunks
-    assert chunked and set(chunked) == {pa.BATCH_CHUNK_STEPS}
+    assert chunked and set(chunked) == {pa.BATCH_CHUNKS}
 
 
 @pytest.mark.skipif(SIMULATOR, reason="the real model: a GPU test")

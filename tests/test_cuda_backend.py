@@ -10,7 +10,7 @@ import pytest
 from checks import as_computed, logit_tolerance
 
 from course_lib import reference
-from course_lib.gpu.backend import BATCHED, BLOCK_STEPS, FIVE, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
+from course_lib.gpu.backend import BATCHED, CHUNKS, FIVE, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
 from course_lib.kernels import SIMULATOR
 from course_lib.kernels.paged_attention import chunk_unit, chunks_for
 
@@ -44,14 +44,14 @@ def test_logits_match_reference(request, model, weights, ops):
                          ids=["paged", "fused", "row_dot", "five", "batched"])
 def test_decode_over_several_chunks_matches_reference(request, model, ops):
     """A decode step whose keys span several flash-decoding chunks, so the backend merges them (the merge kernel, or
-    each head's last block; the batched step's chunks of two block steps): the logits of the reference, to the
+    each head's last block; the batched step's longer chunks): the logits of the reference, to the
     derived tolerance. The cache's first n positions are the reference's own keys and values, written into the
     backend's pages (a prefill of that many tokens would take minutes in the simulator)."""
     if SIMULATOR:
         model = request.getfixturevalue("tiny")
-    c, steps = model.config, BLOCK_STEPS[ops["chunks"]]
-    n = 2 * chunk_unit(c.head_dim, steps) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
-    assert chunks_for(n + 1, c.n_kv_heads, c.head_dim, steps=steps)[1] >= 2
+    c, chunks = model.config, CHUNKS[ops["chunks"]]
+    n = 2 * chunk_unit(c.head_dim, chunks) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
+    assert chunks_for(n + 1, c.n_kv_heads, c.head_dim, chunks=chunks)[1] >= 2
     ref_model, rope = as_computed(model, "bf16"), reference.rope_tables(c, n + 1)
     cache = reference.KVCache(c, n + 1)
     reference.forward(ref_model.weights, c, np.random.default_rng(9).integers(0, c.vocab_size, n), cache, rope)

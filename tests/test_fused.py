@@ -185,14 +185,14 @@ def test_flash_one_launch_equals_two(rng, H, Hkv, hd, T, n):
         same_bits(one, two, f"launch {launch}")
 
 
-@pytest.mark.parametrize("steps", [pa.CHUNK_STEPS, pa.BATCH_CHUNK_STEPS])
-def test_flash_rows_of_several_sequences_equal_each_alone(rng, steps):
+@pytest.mark.parametrize("chunks", [pa.SEQUENCE_CHUNKS, pa.BATCH_CHUNKS])
+def test_flash_rows_of_several_sequences_equal_each_alone(rng, chunks):
     """flash_decode_rows (a batched step: each row through its own sequence's page table, one launch) gives every
-    row the bits it gets with its sequence alone, with chunks of `steps` block steps (one sequence's, a batch's);
+    row the bits it gets with its sequence alone, with one sequence's chunks and with a batch's;
     the sequences' pages interleave in one pair of tables."""
     H, Hkv, hd = (3, 1, 16) if SIMULATOR else (c.n_heads, c.n_kv_heads, c.head_dim)
-    page, lengths = 16, [5, 3 * pa.chunk_unit(hd, steps) + 7, 40]  # the second has several chunks
-    assert pa.chunks_for(lengths[1], Hkv, hd, steps=steps)[1] > 1
+    page, lengths = 16, [5, 3 * pa.chunk_unit(hd, chunks) + 7, 40]  # the second has several chunks
+    assert pa.chunks_for(lengths[1], Hkv, hd, chunks=chunks)[1] > 1
     counts = [-(-n // page) for n in lengths]
     order = rng.permutation(sum(counts) + 2).astype(np.int32)  # two pages nobody owns
     tables = np.split(order[:sum(counts)], np.cumsum(counts)[:-1])
@@ -204,9 +204,9 @@ def test_flash_rows_of_several_sequences_equal_each_alone(rng, steps):
     positions = np.array([lengths[0] - 1, lengths[1] - 2, lengths[1] - 1, lengths[2] - 1], np.int32)
     q = randn(rng, len(positions), H, hd)
     batch = pa.flash_attention(dev(q), dev(k), dev(v), dev(page_tables), dev(positions), page, max_len=max(lengths),
-                               out=poisoned(q.shape), seq_of_row=dev(seq_of_row), chunk_steps=steps).copy_to_host()
+                               out=poisoned(q.shape), seq_of_row=dev(seq_of_row), chunks=chunks).copy_to_host()
     for s, table in enumerate(tables):
         rows = seq_of_row == s
         alone = pa.flash_attention(dev(q[rows]), dev(k), dev(v), dev(table), dev(positions[rows]), page,
-                                   max_len=lengths[s], out=poisoned(q[rows].shape), chunk_steps=steps)
+                                   max_len=lengths[s], out=poisoned(q[rows].shape), chunks=chunks)
         same_bits(batch[rows], alone.copy_to_host(), f"sequence {s}")

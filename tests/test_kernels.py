@@ -744,10 +744,12 @@ for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-deco
     dt = np.dtype(dtype)
     jobs.append((f"write_rows_flat[{dt}]", paged_attention._WRITE_ROWS[dt], f"void({F3}, {dt.name}[:, :, ::1], {I1})"))
     for group, hd, page in ((3, 64, 16), (4, 128, 16), (8, 128, 16), (4, 256, 16), (1, 40, 5)):
-        chunks, one_launch, rows = paged_attention._chunks_kernels(dt, group, hd, page, group)
+        sequence, batch = paged_attention.SEQUENCE_CHUNKS.unroll, paged_attention.BATCH_CHUNKS.unroll
+        chunks, one_launch, _ = paged_attention._chunks_kernels(dt, group, hd, page, group, sequence)
         args = f"{F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3}"
         jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]", chunks, f"void({args})"))
-        if (group, hd) == (3, 64):
+        if (group, hd) == (3, 64):  # SmolLM2's: a sequence's one launch, a batch's rows (its own unroll)
+            rows = paged_attention._chunks_kernels(dt, group, hd, page, group, batch)[2]
             jobs.append((f"flash_decode[{dt}, G={group}, hd={hd}]", one_launch, f"void({args}, {I1})"))
             jobs.append((f"flash_decode_rows[{dt}, G={group}, hd={hd}]", rows,
                          f"void({F3}, {U1}, {U1}, int32[:, ::1], {I1}, {I1}, int64, int64, float32, {F3}, {F4}, "

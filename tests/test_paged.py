@@ -227,28 +227,29 @@ def paged_case(rng, T, H, Hkv, hd, n, dtype, page_size, spare_pages=3):
     return q, k, v, page_table, positions, k_log, v_log
 
 
-def run_flash(q, k, v, page_table, positions, page_size, max_len=None, one_launch=False, steps=pa.CHUNK_STEPS):
+def run_flash(q, k, v, page_table, positions, page_size, max_len=None, one_launch=False,
+              chunks=pa.SEQUENCE_CHUNKS):
     T, H, hd = q.shape
     out = dev(np.full((T, H, hd), np.nan, np.float32))
     return pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page_size,
-                              max_len=max_len, out=out, one_launch=one_launch, chunk_steps=steps).copy_to_host()
+                              max_len=max_len, out=out, one_launch=one_launch, chunks=chunks).copy_to_host()
 
 
-def rescales(n, Hkv, hd, steps=pa.CHUNK_STEPS):
+def rescales(n, Hkv, hd, chunks=pa.SEQUENCE_CHUNKS):
     """How many factors exp(m_old - m_new) can multiply a weight p: one per later step of its team in the chunk,
     one per shuffle round merging the teams of a warp (at most 5), one for the warps, then in merge_chunks one per
     later round of its component's thread (MERGE_UNROLL chunks each)."""
-    length, chunks = pa.chunks_for(n, Hkv, hd, steps=steps)
-    return -(-length // pa.tile_keys(hd)) + 5 + 1 + -(-chunks // pa.MERGE_UNROLL)
+    length, count = pa.chunks_for(n, Hkv, hd, chunks=chunks)
+    return -(-length // pa.tile_keys(hd, chunks.unroll)) + 5 + 1 + -(-count // pa.MERGE_UNROLL)
 
 
-def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4, steps=pa.CHUNK_STEPS):
+def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4, chunks=pa.SEQUENCE_CHUNKS):
     q, k, v, page_table, positions, k_log, v_log = paged_case(rng, T, H, Hkv, hd, n, dtype, page_size)
-    got = run_flash(q, k, v, page_table, positions, page_size, max_len=n, steps=steps)
+    got = run_flash(q, k, v, page_table, positions, page_size, max_len=n, chunks=chunks)
     want = R.attention(q.astype(np.float64), k_log.astype(np.float64), v_log.astype(np.float64), positions)
-    tiles = rescales(n, Hkv, hd, steps)
+    tiles = rescales(n, Hkv, hd, chunks)
     check(got, want, flash_tolerance(q, k_log, v_log, positions, tiles),
-          f"n={n} {dtype} T={T} H={H} Hkv={Hkv} steps={steps}")
+          f"n={n} {dtype} T={T} H={H} Hkv={Hkv} {chunks}")
 
 
 @pytest.mark.parametrize("H,Hkv,hd", [(2, 2, 16), (3, 1, 16)])  # GQA groups of 1 and 3
@@ -260,15 +261,16 @@ def test_flash_decode(rng, n, dtype, H, Hkv, hd):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_flash_batch_chunks(rng, n):
-    """A batch's chunks, BATCH_CHUNK_STEPS block steps long: n chunks, each of several steps (the last of one step and
-    a few keys), merged; against the float64 reference, for a decode's query and a prefill's three."""
-    hd, Hkv = 16, 1
-    unit = pa.chunk_unit(hd, pa.BATCH_CHUNK_STEPS)
-    assert pa.BATCH_CHUNK_STEPS > 1 and unit == pa.BATCH_CHUNK_STEPS * pa.tile_keys(hd)
-    keys = (n - 1) * unit + pa.tile_keys(hd) + 5
-    assert pa.chunks_for(keys, Hkv, hd, steps=pa.BATCH_CHUNK_STEPS) == (unit, n)
+    """A batch's chunks (BATCH_CHUNKS: several block steps of two keys a team): n chunks, each of several steps (the
+    last of one step and a few keys), merged; against the float64 reference, for a decode's query and a prefill's
+    three."""
+    hd, Hkv, batch = 16, 1, pa.BATCH_CHUNKS
+    unit, step = pa.chunk_unit(hd, batch), pa.tile_keys(hd, batch.unroll)
+    assert batch.steps > 1 and unit == batch.steps * step
+    keys = (n - 1) * unit + step + 5
+    assert pa.chunks_for(keys, Hkv, hd, chunks=batch) == (unit, n)
     for T in (1, 3):
-        check_flash(rng, T, 3, Hkv, hd, keys, "bf16", page_size=16, steps=pa.BATCH_CHUNK_STEPS)
+        check_flash(rng, T, 3, Hkv, hd, keys, "bf16", page_size=16, chunks=batch)
 
 
 @pytest.mark.parametrize("rows", [False, True])  # one sequence's queries, or rows of several sequences
@@ -287,23 +289,24 @@ def test_flash_heads_per_block_keep_the_bits(rng, rows):
         pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page, max_len=n, heads=2)
 
 
-@pytest.mark.parametrize("steps", [pa.CHUNK_STEPS, pa.BATCH_CHUNK_STEPS])
+@pytest.mark.parametrize("chunks", [pa.SEQUENCE_CHUNKS, pa.BATCH_CHUNKS])
 @pytest.mark.parametrize("one_launch", [False, True])
-def test_flash_grid_follows_the_chunk_steps(rng, monkeypatch, steps, one_launch):
-    """flash_attention launches a block per chunk of `steps` block steps (recorded, not run): one key past two
-    chunks of two steps is three chunks of one step each, or two of two; the merge counts them alike."""
+def test_flash_grid_follows_the_chunks(rng, monkeypatch, chunks, one_launch):
+    """flash_attention launches a block per chunk (recorded, not run): one key past a batch's chunk (four steps of
+    two keys a team) is three chunks of one sequence's (a step of four keys), or two of a batch's; the merge counts
+    them alike."""
     hd, Hkv, page = 16, 1, 16
-    n = pa.chunk_unit(hd, pa.BATCH_CHUNK_STEPS) + 1
+    n = pa.chunk_unit(hd, pa.BATCH_CHUNKS) + 1
     launches = []  # (grid, the kernel's arguments)
     monkeypatch.setattr(pa, "launch", lambda kernel, grid, block, stream, rt, *args: launches.append((grid, args)))
     q, k, v, page_table, positions, _, _ = paged_case(rng, 1, 3, Hkv, hd, n, "bf16", page)
     pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page, max_len=n,
-                       one_launch=one_launch, chunk_steps=steps)
-    chunks, unit = pa.chunks_for(n, Hkv, hd, steps=steps)[1], pa.chunk_unit(hd, steps)
-    assert chunks == (2 if steps == pa.BATCH_CHUNK_STEPS else 3)
+                       one_launch=one_launch, chunks=chunks)
+    count, unit = pa.chunks_for(n, Hkv, hd, chunks=chunks)[1], pa.chunk_unit(hd, chunks)
+    assert count == (2 if chunks == pa.BATCH_CHUNKS else 3)
     (grid, args), *merge = launches
     heads = pa.SEQUENCE_HEADS or 3  # a block per query head, or per KV head (its G = 3 query heads)
-    assert grid == (chunks, 3 // heads, 1) and args[6] == unit  # (q, k, v, page_table, positions, target, unit, ...)
+    assert grid == (count, 3 // heads, 1) and args[6] == unit  # (q, k, v, page_table, positions, target, unit, ...)
     assert len(merge) == (0 if one_launch else 1)
     for _, args in merge:  # merge_chunks(o, m, l, positions, target, unit, out): the chunks counted alike
         assert args[5] == unit

@@ -258,10 +258,12 @@ def test_batch_chunks_prose_quotes_its_runs():
     """Notebook 07, the batched generator's chunks of two block steps: the gain on random weights and the cost for
     one sequence (data/batch_step_end_h200.json), the real model's tokens/s and the peers in the same run, and the
     targets of "What is not done yet" (data/bench_batch_chunks_h200.json), every text as alone."""
-    from course_lib.gpu.backend import BATCHED, BLOCK_STEPS
+    from course_lib.gpu.backend import BATCHED, CHUNKS
     from course_lib.kernels import paged_attention as pa
 
-    assert BLOCK_STEPS[BATCHED["chunks"]] == pa.BATCH_CHUNK_STEPS == 2 and pa.CHUNK_STEPS == 1
+    # a batch's chunks still hold two of a sequence's (the section's 256 keys on a GPU), a sequence's one block step
+    assert CHUNKS[BATCHED["chunks"]] == pa.BATCH_CHUNKS and pa.SEQUENCE_CHUNKS.steps == 1
+    assert pa.chunk_unit(64, pa.BATCH_CHUNKS) == 2 * pa.chunk_unit(64)
     before = recorded("batch_step_end_h200.json")
     chunks = before["chunk_steps_random"]
     at_128, held = chunks["batch_64_prompt_128_graph_ms"], chunks["row_dot_held_ms_by_position"]

@@ -54,9 +54,10 @@ OP_CHOICES = {
     # flash-decoding: the chunks, then a merge kernel | one kernel, the last chunk of each head to finish merges
     # (notebook 05)
     "attention": ("two_kernels", "one_kernel"),
-    # flash-decoding's chunks of keys: whole block steps, as many chunks as fill the GPU for one sequence | whole
-    # pairs of steps (a batch: its rows fill the GPU, and each chunk past the first costs a merge; notebook 07)
-    "chunks": ("one_step", "two_steps"),
+    # flash-decoding's chunks of keys: four keys per team and block step, chunks of whole steps, as many as fill the
+    # GPU for one sequence | two keys per team and step, chunks of four steps (a batch: its rows fill the GPU, each
+    # chunk past the first costs a merge, and fewer registers per lane let more blocks run; notebook 07)
+    "chunks": ("sequence", "batch"),
     # the decode step's projections: split-K over [K, N] weights (partial sums, then each column group's last block
     # adds them) | a warp per pair of outputs over [N, K] weight rows, one pass, the first weights loaded before
     # waiting for the inputs (kernels/row_dot; notebook 05)
@@ -75,8 +76,8 @@ ROW_DOT = FUSED | {"projection": "row_dot"}
 FIVE = ROW_DOT | {"attention": "one_kernel"}
 # the batched step (course_lib.batch.CudaBatch): a row's bits must not depend on the batch, and the transposed
 # kernel's team of lanes per logit does not tile over many rows; chunks of keys for many rows
-BATCHED = FUSED | {"logits": "rows", "chunks": "two_steps"}
-BLOCK_STEPS = {"one_step": k_paged.CHUNK_STEPS, "two_steps": k_paged.BATCH_CHUNK_STEPS}  # op chunks -> a chunk's steps
+BATCHED = FUSED | {"logits": "rows", "chunks": "batch"}
+CHUNKS = {"sequence": k_paged.SEQUENCE_CHUNKS, "batch": k_paged.BATCH_CHUNKS}  # op chunks -> paged_attention.Chunks
 
 
 def resolve_ops(ops: dict | None) -> dict:
@@ -277,7 +278,7 @@ class CudaBackend:
         return k_paged.flash_attention(q, self.cache.k[i], self.cache.v[i], table, pos_d, PAGE_SIZE, max_len=max_len,
                                        out=rt.empty((T, c.n_heads, c.head_dim), name="attn"), rt=rt,
                                        one_launch=one_launch, seq_of_row=seq_of_row,
-                                       chunk_steps=BLOCK_STEPS[self.ops["chunks"]])
+                                       chunks=CHUNKS[self.ops["chunks"]])
 
     def _attention_inputs(self, rt, x, normed, lw, i, pos_d, slots_d, T):
         """The queries q [T, H, hd] of layer i, its keys and values stored in the cache: the norm (unless `normed`

@@ -13,9 +13,9 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    blocks, each key read G times, from the L2 cache after the first; a short context's few blocks were its pace).
    A head's arithmetic never depends on the other heads of its block: the same bits either way. A key row (hd
    elements) is read by a team of `team_size(hd)` lanes, each taking 8 adjacent elements per 16-byte load (bf16;
-   two loads for float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every
-   lane issues all the key and value loads of UNROLL keys of its team, then the page-table loads of the next
-   step's rows (they arrive while this step computes: a lookup never delays a step's loads), then computes its
+   two loads for float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every lane issues all the key and
+   value loads of `unroll` keys of its team (Chunks), then the page-table loads of the next step's rows (they arrive
+   while this step computes: a lookup never delays a step's loads), then computes its
    part of its heads' dot products (the queries are in shared memory), which the team adds by
    shuffles; each team keeps its own online softmax (running max m, sum l = sum exp(score - m), and the lane's
    components of acc = sum p v) in registers. No barrier in the loop over keys. At the end the teams of a warp
@@ -41,14 +41,15 @@ Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whol
 length depends only on n, Hkv, hd and the GPU (never on T), and so does the merge, which counts the query's own
 chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's x is
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
-A batched generator's passes all take chunks of BATCH_CHUNK_STEPS steps instead (flash_attention's chunk_steps): its
-many rows fill the GPU without more chunks, and each chunk past the first costs a merge.
+A batched generator's passes all take BATCH_CHUNKS instead (flash_attention's `chunks`): longer chunks, its many
+rows filling the GPU without more of them (each chunk past the first costs a merge), and fewer keys per step.
 
 Why these choices (the measurements behind them: notebook 04 and data/h200_kernel_notes.md): small layers are bound
 by fixed costs, not by bandwidth, so each kernel keeps many loads in flight and avoids chains of memory latencies.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import float32, int32, uint16, uint32
@@ -74,10 +75,22 @@ MAX_GROUP = 8  # query heads per KV head (H / Hkv)
 MAX_GROUP_DIMS = 1024  # G x hd at most: the warps' partial outputs (WARPS x G x hd floats) fill shared memory
 WARPS = sized(8, 1)  # warps of a flash_decode_chunks block (the fastest of 2, 4 and 8)
 THREADS = 32 * WARPS
-UNROLL = 4  # keys per team and step: 2 UNROLL 16-byte groups of bf16 in flight per lane (4 UNROLL of float32)
-CHUNK_STEPS = 1  # a chunk is a whole number of this many steps of a block
-BATCH_CHUNK_STEPS = 2  # the same for a batched step (op chunks="two_steps"): its many rows already fill the GPU, and
-# every chunk past the first costs a merge (faster at 64 rows, slower for one sequence: notebook 07)
+
+
+class Chunks(NamedTuple):
+    """How flash-decoding walks a query's keys: a block step reads `unroll` keys per team of lanes (2 unroll 16-byte
+    groups of bf16 in flight per lane, 4 unroll of float32), and a chunk is a whole number of `steps` block steps. A
+    query's bits depend on both (which team adds which key, in which order): every pass over a cache takes the
+    same."""
+
+    unroll: int
+    steps: int
+
+
+SEQUENCE_CHUNKS = Chunks(unroll=4, steps=1)  # one sequence: as many short chunks as fill the GPU
+BATCH_CHUNKS = Chunks(unroll=2, steps=4)  # a batched step (op chunks="batch"): its many rows already fill the GPU, and
+# every chunk past the first costs a merge; two keys a step leave a lane fewer registers to hold, so that more
+# blocks run at once (faster than four keys and two steps at 64 to 264 keys, 64 rows: data/batch_chunks_h200.json)
 SEQUENCE_HEADS = 1  # query heads per block of one sequence's flash-decoding (0: all G of its KV head): a block per
 # query head, G times the blocks (a short context's few blocks set its pace, not the G reads of K and V from L2)
 BATCH_HEADS = 0  # the same for a batch's rows, which fill the GPU without that: a block per KV head (faster there)
@@ -108,10 +121,10 @@ def chunk_target(n_kv_heads: int, sms: int | None = None) -> int:
 
 
 def chunks_for(n_keys: int, n_kv_heads: int, head_dim: int, sms: int | None = None,
-               steps: int = CHUNK_STEPS) -> tuple[int, int]:
+               chunks: Chunks = SEQUENCE_CHUNKS) -> tuple[int, int]:
     """(chunk length, number of chunks) of a query that sees n_keys keys (n_keys = position + 1), chunks of whole
-    groups of `steps` block steps (chunk_unit)."""
-    length = chunk_len(n_keys, chunk_target(n_kv_heads, sms), chunk_unit(head_dim, steps))
+    groups of chunks.steps block steps (chunk_unit)."""
+    length = chunk_len(n_keys, chunk_target(n_kv_heads, sms), chunk_unit(head_dim, chunks))
     return length, -(-n_keys // length)
 
 
@@ -170,34 +183,35 @@ def team_size(head_dim: int) -> int:
     return min(32, groups & -groups)
 
 
-def tile_keys(head_dim: int) -> int:
-    """Keys a flash_decode_chunks block reads per step: UNROLL keys for each team of each warp."""
-    return WARPS * (32 // team_size(head_dim)) * UNROLL
+def tile_keys(head_dim: int, unroll: int = SEQUENCE_CHUNKS.unroll) -> int:
+    """Keys a flash_decode_chunks block reads per step: `unroll` keys for each team of each warp."""
+    return WARPS * (32 // team_size(head_dim)) * unroll
 
 
-def chunk_unit(head_dim: int, steps: int = CHUNK_STEPS) -> int:
-    """Chunk lengths are multiples of this: `steps` steps of a block (a short context gets one chunk, no merge).
-    CHUNK_STEPS for one sequence; BATCH_CHUNK_STEPS for a batch's rows, which fill the GPU without more chunks."""
-    return steps * tile_keys(head_dim)
+def chunk_unit(head_dim: int, chunks: Chunks = SEQUENCE_CHUNKS) -> int:
+    """Chunk lengths are multiples of this: chunks.steps steps of a block (a short context gets one chunk, no
+    merge). SEQUENCE_CHUNKS for one sequence; BATCH_CHUNKS for a batch's rows, which fill the GPU without more
+    chunks."""
+    return chunks.steps * tile_keys(head_dim, chunks.unroll)
 
 
-def _make_chunks(load8, group, head_dim, page_size, heads):
+def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
     """flash_decode_chunks for G = group query heads per KV head, `heads` of them per block (a divisor of G),
-    head_dim (a multiple of 8) and page_size, compile-time constants: a lane's scores and accumulators stay in
-    registers, and the page arithmetic is shifts for a power of two; load8(words, i) reads the 8 elements of group i
-    of a table seen as uint32 words (16-byte loads)."""
+    head_dim (a multiple of 8), page_size and `unroll` keys per team and step (Chunks), compile-time constants: a
+    lane's scores and accumulators stay in registers, and the page arithmetic is shifts for a power of two;
+    load8(words, i) reads the 8 elements of group i of a table seen as uint32 words (16-byte loads)."""
     team = team_size(head_dim)
     per_lane = head_dim // (8 * team)  # 8-element groups of a row per lane
     E = 8 * per_lane  # elements of a row per lane
     teams = WARPS * (32 // team)  # keys a block reads at once, one per team
-    step = teams * UNROLL
+    step = teams * unroll
 
     @cuda.jit(device=True)
     def find_rows(page_table, first, hi, rows):
         """rows[u] = the table row of key min(first + u teams, hi - 1) (the lane's team's keys of a step; a key
-        past the chunk reads the chunk's last key again, which `attend` ignores), for u < UNROLL: the UNROLL
+        past the chunk reads the chunk's last key again, which `attend` ignores), for u < unroll: the unroll
         page-table loads issued one after another, none waited for."""
-        for u in range(UNROLL):
+        for u in range(unroll):
             j = min(first + u * teams, hi - 1)
             rows[u] = page_table[j // page_size] * page_size + j % page_size
 
@@ -215,8 +229,8 @@ def _make_chunks(load8, group, head_dim, page_size, heads):
 
     @cuda.jit(device=True)
     def load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r):
-        """load_key for the rows[u], u < UNROLL: all the loads issued, none waited for."""
-        for u in range(UNROLL):
+        """load_key for the rows[u], u < unroll: all the loads issued, none waited for."""
+        for u in range(unroll):
             load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
 
     @cuda.jit(device=True)
@@ -226,27 +240,27 @@ def _make_chunks(load8, group, head_dim, page_size, heads):
         then p = exp(s - m_new) added to l and p v to acc. Keys past hi score -inf and change nothing."""
         member = cuda.threadIdx.x % team
         for g in range(heads):
-            for u in range(UNROLL):
+            for u in range(unroll):
                 s[u, g] = float32(0)
             for i in range(per_lane):
                 for e in range(8):
                     qv = q_s[g, 8 * (member + team * i) + e]
-                    for u in range(UNROLL):
+                    for u in range(unroll):
                         s[u, g] += qv * k_r[u, 8 * i + e]
-        for u in range(UNROLL):
+        for u in range(unroll):
             for g in range(heads):
                 dot = segment_sum(s[u, g], team)
                 s[u, g] = dot * scale if first + u * teams < hi else float32(-math.inf)
         for g in range(heads):
             m_new = m[g]
-            for u in range(UNROLL):
+            for u in range(unroll):
                 m_new = max(m_new, s[u, g])
             if m_new > float32(-math.inf):  # this team has seen a key (else nothing to update)
                 alpha = float32(math.exp(m[g] - m_new))
                 l[g] *= alpha
                 for e in range(E):
                     acc[g, e] *= alpha
-                for u in range(UNROLL):
+                for u in range(unroll):
                     if first + u * teams < hi:
                         p = float32(math.exp(s[u, g] - m_new))
                         l[g] += p
@@ -279,10 +293,10 @@ def _make_chunks(load8, group, head_dim, page_size, heads):
         acc = cuda.local.array((heads, E), dtype=float32)  # sum_j p_j v_j, this lane's components
         m = cuda.local.array(heads, dtype=float32)
         l = cuda.local.array(heads, dtype=float32)  # noqa: E741
-        s = cuda.local.array((UNROLL, heads), dtype=float32)
-        k_r = cuda.local.array((UNROLL, E), dtype=float32)  # this lane's part of UNROLL keys and values
-        v_r = cuda.local.array((UNROLL, E), dtype=float32)
-        rows = cuda.local.array(UNROLL, dtype=int32)  # their rows in the tables
+        s = cuda.local.array((unroll, heads), dtype=float32)
+        k_r = cuda.local.array((unroll, E), dtype=float32)  # this lane's part of unroll keys and values
+        v_r = cuda.local.array((unroll, E), dtype=float32)
+        rows = cuda.local.array(unroll, dtype=int32)  # their rows in the tables
         tid = cuda.threadIdx.x  # (c, j, t): the block's virtual index, given by the caller
         n = positions[t] + 1
         length = _chunk_len(n, target, unit)
@@ -299,7 +313,7 @@ def _make_chunks(load8, group, head_dim, page_size, heads):
         find_rows(page_table, lo + me, hi, rows)  # the first step's keys, in flight during the kernel before
         load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
         inputs_ready()
-        for u in range(UNROLL):  # those written by this pass, again (the keys the team reads, as find_rows clamps)
+        for u in range(unroll):  # those written by this pass, again (the keys the team reads, as find_rows clamps)
             if min(lo + me + u * teams, hi - 1) >= new_from:
                 load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
         for x in range(tid, heads * head_dim, THREADS):
@@ -460,23 +474,24 @@ def merge_chunks(o_part, m_part, l_part, positions, target, unit, out):
         merge_heads(o_part, m_part, l_part, t, cuda.blockIdx.x, 1, n_chunks, out)
 
 
-_CHUNKS = {}  # (dtype, group, head_dim, page_size, heads) -> (flash_decode_chunks, flash_decode, flash_decode_rows)
+_CHUNKS = {}  # (dtype, group, head_dim, page_size, heads, unroll) -> (flash_decode_chunks, flash_decode,
+# flash_decode_rows)
 
 
-def _chunks_kernels(dtype, group, head_dim, page_size, heads):
+def _chunks_kernels(dtype, group, head_dim, page_size, heads, unroll):
     """(flash_decode_chunks, flash_decode, flash_decode_rows) for tables of `dtype` (float32, or uint16 holding
-    bf16) and `heads` query heads per block, built on first use."""
-    key = (np.dtype(dtype), group, head_dim, page_size, heads)
+    bf16), `heads` query heads per block and `unroll` keys per team and step, built on first use."""
+    key = (np.dtype(dtype), group, head_dim, page_size, heads, unroll)
     if key not in _CHUNKS:
         loads = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}
         if key[0] not in loads:
             raise TypeError(f"KV tables must be float32 or bf16 stored as uint16, got {dtype}")
-        _CHUNKS[key] = _make_chunks(loads[key[0]], group, head_dim, page_size, heads)
+        _CHUNKS[key] = _make_chunks(loads[key[0]], group, head_dim, page_size, heads, unroll)
     return _CHUNKS[key]
 
 
 def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_len=None, out=None, stream=0,
-                    rt=None, one_launch: bool = False, seq_of_row=None, chunk_steps: int = CHUNK_STEPS,
+                    rt=None, one_launch: bool = False, seq_of_row=None, chunks: Chunks = SEQUENCE_CHUNKS,
                     heads: int | None = None):
     """Causal GQA attention of one sequence through its page table: flash_decode_chunks, then merge_chunks; or,
     one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish). With
@@ -491,9 +506,10 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     keys 0..positions[t], key j at row page_table[j // page_size] * page_size + j % page_size (each positions[t] <
     P * page_size, unchecked). max_len: an upper bound of max(positions) + 1 on the host (it sizes the grid; a
     larger one costs idle blocks, never changes the result); None reads positions back from the device (a sync).
-    chunk_steps: the chunks' block steps (chunk_unit); a query's bits depend on it, so every pass over a cache
-    takes the same. heads: query heads per block, a divisor of G (None: SEQUENCE_HEADS for one sequence's queries,
-    BATCH_HEADS for a batch's rows; 0 there: G, every head of a KV head); the bits do not depend on it.
+    chunks: the keys of a block step and the steps of a chunk (Chunks); a query's bits depend on them, so every
+    pass over a cache takes the same. heads: query heads per block, a divisor of G (None: SEQUENCE_HEADS for one
+    sequence's queries, BATCH_HEADS for a batch's rows; 0 there: G, every head of a KV head); the bits do not depend
+    on it.
     H a multiple of Hkv, G = H / Hkv <= MAX_GROUP, hd a multiple of 8 and <= MAX_HEAD_DIM, G hd <= MAX_GROUP_DIMS.
     -> out [T, H, hd] float32 (the same bits either way).
     """
@@ -512,7 +528,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
         heads = (SEQUENCE_HEADS if seq_of_row is None else BATCH_HEADS) or G
     if heads < 1 or G % heads:
         raise ValueError(f"flash_attention: {heads} query heads per block do not divide the {G} of a KV head")
-    chunks_kernel, one_kernel, rows_kernel = _chunks_kernels(k_table.dtype, G, hd, page_size, heads)
+    chunks_kernel, one_kernel, rows_kernel = _chunks_kernels(k_table.dtype, G, hd, page_size, heads, chunks.unroll)
     if (seq_of_row is None) != (page_table.ndim == 1) or (seq_of_row is not None and seq_of_row.shape != (T,)):
         raise ValueError(f"flash_attention: a page table [P] for one sequence, or [S, P] with seq_of_row [T]; got "
                          f"{page_table.shape} and {None if seq_of_row is None else seq_of_row.shape}")
@@ -524,7 +540,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     pages = page_table.shape[page_table.ndim - 1]  # (the simulator's shapes take no negative index)
     if max_len > pages * page_size:
         raise ValueError(f"flash_attention: max_len {max_len} > {pages} pages x {page_size}")
-    target, unit = chunk_target(Hkv), chunk_unit(hd, chunk_steps)
+    target, unit = chunk_target(Hkv), chunk_unit(hd, chunks)
     n_chunks = max(1, min(target, -(-max_len // unit)))  # at least the chunks of any query of the pass
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)
