@@ -101,9 +101,9 @@ def test_fused_residual_needs_the_paged_step(tiny):
         CudaBackend(tiny, 4, ops={"matmul": "narrow", "residual": "fused"})
 
 
-def test_chunks_of_two_steps_need_the_paged_cache(tiny):
-    with pytest.raises(ValueError, match="chunks='two_steps' is flash-decoding's"):
-        CudaBackend(tiny, 4, ops={"matmul": "narrow", "chunks": "two_steps"})
+def test_batch_chunks_need_the_paged_cache(tiny):
+    with pytest.raises(ValueError, match="chunks='batch' is flash-decoding's"):
+        CudaBackend(tiny, 4, ops={"matmul": "narrow", "chunks": "batch"})
 
 
 @pytest.mark.parametrize("attention,kernels", [("two_kernels", ["flash_decode_chunks", "merge_chunks"]),
