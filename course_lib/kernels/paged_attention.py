@@ -89,8 +89,8 @@ class Chunks(NamedTuple):
 
 SEQUENCE_CHUNKS = Chunks(unroll=4, steps=1)  # one sequence: as many short chunks as fill the GPU
 BATCH_CHUNKS = Chunks(unroll=2, steps=4)  # a batched step (op chunks="batch"): its many rows already fill the GPU, and
-# every chunk past the first costs a merge; two keys a step leave a lane fewer registers to hold, so that more
-# blocks run at once (faster than four keys and two steps at 64 to 264 keys, 64 rows: data/batch_chunks_h200.json)
+# every chunk past the first costs a merge; two keys a step hold fewer registers per lane. Against four keys and two
+# steps (the same 256 keys a chunk): level while a row has one chunk, faster from two (notebook 07)
 SEQUENCE_HEADS = 1  # query heads per block of one sequence's flash-decoding (0: all G of its KV head): a block per
 # query head, G times the blocks (a short context's few blocks set its pace, not the G reads of K and V from L2)
 BATCH_HEADS = 0  # the same for a batch's rows, which fill the GPU without that: a block per KV head (faster there)
