@@ -81,7 +81,9 @@ def expected_where_the_time_goes() -> dict[str, list[str]]:
                f"{paged['kernels_per_token']} kernels"],
         "05": [f"{fused['kernels_per_token']} kernels per token", f"instead of {paged['kernels_per_token']}",
                f"{fused['gpu_ms_per_token']:.2f} ms", f"{fused['tokens_per_s']:.0f} tokens/s",
-               f"{100 - waiting(fused):.0f}%"],
+               f"{100 - waiting(fused):.0f}%", f"(`row_dot`) decode {r['row_dot']['tokens_per_s']:,.0f} tokens/s with "
+               f"{r['row_dot']['gpu_ms_per_token']:.3f} ms", f"the default, {r['five']['tokens_per_s']:,.0f} tokens/s "
+               f"with {r['five']['gpu_ms_per_token']:.3f} ms and {r['five']['kernels_per_token']} kernels"],
         "06": [f"{min(replayed):.0f}–{max(replayed):.0f}%", f"{fused['gpu_ms_per_token']:.2f} ms",
                f"{1e3 / bound:.2f} ms"],
     }
@@ -374,7 +376,7 @@ def test_add_norm_in_registers_prose_quotes_its_run():
     assert (f"{each:.2f} µs each inside the step's graph, {launches * each / 1e3:.2f} ms of its "
             f"{after['ctx64']['graph_ms']:.2f}") in text
     assert f"{new[200]:.1f} µs at 200 keys and {new[264]:.1f} at 264)" in text
-    assert f"({tps[64] / tps[1]:.1f} times in the last run)" in text and tps[64] / tps[1] < 30
+    assert f"({tps[64] / tps[1]:.1f} times in the last run of `bench --batch`" in text and tps[64] / tps[1] < 30
     assert (f"({tps[64]:,.0f} tokens/s against {peers['graph']:,.0f} and {peers['compile+graph']:,.0f})" in text
             and tps[64] > max(peers.values()))
     from course_lib.measure import accounting
@@ -399,8 +401,10 @@ def test_readme_quotes_the_latest_batched_run():
     assert (f"{peers['graph']:,.0f} with a CUDA graph, {peers['compile+graph']:,.0f} compiled (ours "
             f"{100 * (tps[64] / peers['graph'] - 1):.0f}% and {100 * (tps[64] / peers['compile+graph'] - 1):.0f}% "
             "ahead)") in row
-    first = {r["batch"]: r["tokens_per_s"] for r in recorded("07_batch_h200.json")["rows"]}
-    assert f"From {first[64]:,.0f} tokens/s at 64" in row
+    nb = recorded("07_batch_h200.json")
+    short = {r["batch"]: r["tokens_per_s"] for r in nb["rows"]}
+    assert (f"{short[64]:,.0f} tokens/s at 64 ({short[64] / short[1]:.1f}× batch 1); there the compiled peer is ahead, "
+            f"{nb['peers']['compile+graph']:,.0f}") in row and nb["peers"]["compile+graph"] > short[64]
 
 
 
@@ -423,8 +427,6 @@ def test_five_prose_quotes_its_runs():
                    f"decodes {fr[('five', 4000)]:,} tokens/s against {fr[('row_dot', 4000)]:,} for `row_dot`"):
         assert figure in text, f"notebook 05 does not quote {figure!r}"
     assert fr[("five", 4000)] < fr[("row_dot", 4000)] and fr[("five", 64)] > fr[("row_dot", 64)]
-    assert (f"`five` recipe of the section before (`data/bench_five_h200.json`: {r['five']['tokens_per_s']:,.0f} "
-            f"tokens/s, {r['five']['gpu_ms_per_token']:.3f} ms)") in prose("05", "## Where the time goes now")
     row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
                         if line.startswith("| 05 |")).split())
     held = {x["recipe"]: x["held_ms"] for x in rec["five_vs_row_dot"] if x["ctx"] == 64}
@@ -433,3 +435,74 @@ def test_five_prose_quotes_its_runs():
             f"{r['row_dot']['gpu_ms_per_token']:.3f} ms for `row_dot`") in row
     assert f"target 0.5 ms met there, {held['five'][1]:.2f} ms at 164 positions" in row
     assert r["five"]["gpu_ms_per_token"] <= 0.5 < held["five"][1]
+
+
+def test_fused_step_prose_quotes_the_recorded_run():
+    """Notebook 06, section 2: graph8 against graph, and the fused step against the graph, from data/bench_h200.json."""
+    r = bench_rows()
+    graph, graph8, fused = r["graph"], r["graph8"], r["fused"]
+    text = " ".join(markdown_cell("06", "Several steps per launch").split())
+    for figure in (f"({graph8['tokens_per_s']:.0f} against {graph['tokens_per_s']:.0f} tokens/s in this run",
+                   f"{fused['kernels_per_token']} per token instead of {graph['kernels_per_token']}, "
+                   f"{fused['gpu_ms_per_token']:.2f} ms of GPU time instead of {graph['gpu_ms_per_token']:.2f}, "
+                   f"{fused['tokens_per_s']:.0f} tokens/s instead of {graph['tokens_per_s']:.0f} in this run"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+
+
+def test_embedding_in_the_sampler_prose_quotes_its_run():
+    """Notebook 05: the step without its embedding kernel is one kernel shorter and no faster
+    (data/batch_chunks_h200.json, embed_ab: two runs each way, held GPU ms at 64 positions)."""
+    runs = recorded("batch_chunks_h200.json")["embed_ab"]
+    held = {how: [r["held"]["64"] for name, r in runs.items() if name.startswith(how)] for how in ("sampler", "kernel")}
+    assert {r["launches"] for n, r in runs.items() if n.startswith("sampler")} == {152}
+    assert {r["launches"] for n, r in runs.items() if n.startswith("kernel")} == {153}
+    assert len({r["tokens"][-1] for r in runs.values()}) == 1
+    both = {f"{ms:.2f}" for ms in held["sampler"] + held["kernel"]}
+    assert len(both) == 1
+    assert f"took the same GPU time, {both.pop()} ms at 64 positions" in prose("05", "## Where the time goes now")
+
+
+def test_batch_chunks_of_two_keys_prose_quotes_its_run():
+    """Notebook 07, two keys a step for a batch's attention: the step's graph and attention's launch before and after
+    (data/batch_chunks_h200.json, step_ab); and section 4's run against the peers (data/07_batch_h200.json)."""
+    ab = recorded("batch_chunks_h200.json")["step_ab"]
+    att = {when: {ctx: ab[when][f"ctx{ctx}"]["flash_decode_rows"][1] for ctx in (64, 200, 264)} for when in ab}
+    ms = {when: {ctx: ab[when][f"ctx{ctx}"]["graph_ms"] for ctx in (64, 200, 264)} for when in ab}
+    b, a = att["before"], att["after"]
+    text = prose("07", "### Two keys a step for a batch's attention")
+    for figure in (f"attention costs {a[64]:.2f} µs a launch at 64 keys instead of {b[64]:.2f}, {a[200]:.2f} instead "
+                   f"of {b[200]:.2f} at 200 and {a[264]:.2f} instead of {b[264]:.2f} at 264",
+                   f"{ms['after'][64]:.2f} ms of GPU time at 64 positions as before ({ms['before'][64]:.2f}), "
+                   f"{ms['after'][200]:.2f} instead of {ms['before'][200]:.2f} at 200 and {ms['after'][264]:.2f} "
+                   f"instead of {ms['before'][264]:.2f} at 264"):
+        assert figure in text, f"notebook 07 does not quote {figure!r}"
+    assert a[264] < b[264] and abs(ms["after"][64] - ms["before"][64]) < 0.01
+    assert f"from {b[264]:.1f} to {a[264]:.1f} µs" in prose("07", "## What is not done yet")
+    run = recorded("07_batch_h200.json")
+    tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["rows"]}, run["peers"]
+    assert all(r["same_text"] for r in run["rows"]) and run["peer_batch"] == 64
+    text = prose("07", "In the run above (this notebook's recorded run")
+    for figure in (f"decodes {tps[1]:,.0f} tokens/s at batch 1 and {tps[64]:,.0f} at 64, {tps[64] / tps[1]:.1f} times",
+                   f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled: ours "
+                   f"is {100 * (tps[64] / peers['graph'] - 1):.0f}% ahead of the first and "
+                   f"{100 * (1 - tps[64] / peers['compile+graph']):.0f}% behind the second"):
+        assert figure in text, f"notebook 07 does not quote {figure!r}"
+    longer = recorded("batch_add_norm_h200.json")["bench"]
+    ours = next(r["tokens_per_s"] for r in longer["batch"] if r["batch"] == 64)
+    assert f"the compiled peer did {longer['peers']['compile+graph']:,.0f} tokens/s and ours {ours:,.0f}" in text
+
+
+def test_readme_quotes_notebook_06s_bench():
+    """The README's row for notebook 06 quotes its bench (data/bench_h200.json), every recipe with the same text."""
+    run = recorded("bench_h200.json")
+    r = {row["recipe"]: row for row in run["rows"]}
+    assert all(row["same_text"] for row in run["rows"])
+    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
+                        if line.startswith("| 06 |")).split())
+    fused, five, mk = r["fused"], r["five"], r["megakernel"]
+    assert (f"fused {fused['tokens_per_s']:.1f} tokens/s ({fused['gpu_ms_per_token']:.2f} GPU ms per step, "
+            f"{fused['kernels_per_token']} kernels), graph {r['graph']['tokens_per_s']:.1f}, `five` (the default) "
+            f"{five['tokens_per_s']:,.1f} ({five['gpu_ms_per_token']:.3f} ms, {five['kernels_per_token']} kernels), the "
+            f"megakernel {mk['tokens_per_s']:.1f} ({mk['gpu_ms_per_token']:.2f} ms, one launch per 16 tokens), "
+            f"`torch.compile` + graph {run['peers']['compile+graph']:.1f}, bound {run['bound_tokens_per_s']:,.0f}") in row
+
