@@ -502,7 +502,8 @@ def test_readme_quotes_notebook_06s_bench():
     fused, five, mk = r["fused"], r["five"], r["megakernel"]
     assert (f"fused {fused['tokens_per_s']:.1f} tokens/s ({fused['gpu_ms_per_token']:.2f} GPU ms per step, "
             f"{fused['kernels_per_token']} kernels), graph {r['graph']['tokens_per_s']:.1f}, `five` (the default) "
-            f"{five['tokens_per_s']:,.1f} ({five['gpu_ms_per_token']:.3f} ms, {five['kernels_per_token']} kernels), the "
-            f"megakernel {mk['tokens_per_s']:.1f} ({mk['gpu_ms_per_token']:.2f} ms, one launch per 16 tokens), "
-            f"`torch.compile` + graph {run['peers']['compile+graph']:.1f}, bound {run['bound_tokens_per_s']:,.0f}") in row
+            f"{five['tokens_per_s']:,.1f} ({five['gpu_ms_per_token']:.3f} ms, {five['kernels_per_token']} kernels), "
+            f"the megakernel {mk['tokens_per_s']:.1f} ({mk['gpu_ms_per_token']:.2f} ms, one launch per 16 tokens), "
+            f"`torch.compile` + graph {run['peers']['compile+graph']:.1f}, bound {run['bound_tokens_per_s']:,.0f}"
+            ) in row
 
