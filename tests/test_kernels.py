@@ -286,7 +286,7 @@ def _sample_on_device(logits, temperature=0.0, top_k=None, top_p=None, seed=0, p
     """sample_next on logits (a copy on the device) for the token at `position`: (the token, the advanced inputs
     token, position, slot, history[position], and x, the chosen token's row of an embedding table of random bf16
     bits (token 0's for NO_TOKEN)), every output poisoned first."""
-    V, d = logits.size, 24
+    V, d = logits.size, sampling.THREADS + 5  # the block's threads write x[0] in two rounds
     token, pos, slot = poisoned(1, np.int32), dev(np.array([position - 1], np.int32)), poisoned(1, np.int32)
     history, x = poisoned(position + 2, np.int32), poisoned((1, d))
     settings = dev(np.array([temperature, 1.0 if top_p is None else top_p]))
@@ -749,7 +749,9 @@ for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-deco
         args = f"{F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3}"
         jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]", chunks, f"void({args})"))
         if (group, hd) == (3, 64):  # SmolLM2's: a sequence's one launch, a batch's rows (its own unroll)
-            rows = paged_attention._chunks_kernels(dt, group, hd, page, group, batch)[2]
+            batch_chunks, _, rows = paged_attention._chunks_kernels(dt, group, hd, page, group, batch)
+            jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, a batch's unroll]", batch_chunks,
+                         f"void({args})"))  # a batched generator's prefills
             jobs.append((f"flash_decode[{dt}, G={group}, hd={hd}]", one_launch, f"void({args}, {I1})"))
             jobs.append((f"flash_decode_rows[{dt}, G={group}, hd={hd}]", rows,
                          f"void({F3}, {U1}, {U1}, int32[:, ::1], {I1}, {I1}, int64, int64, float32, {F3}, {F4}, "

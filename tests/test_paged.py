@@ -297,18 +297,21 @@ def test_flash_grid_follows_the_chunks(rng, monkeypatch, chunks, one_launch):
     them alike."""
     hd, Hkv, page = 16, 1, 16
     n = pa.chunk_unit(hd, pa.BATCH_CHUNKS) + 1
-    launches = []  # (grid, the kernel's arguments)
-    monkeypatch.setattr(pa, "launch", lambda kernel, grid, block, stream, rt, *args: launches.append((grid, args)))
+    launches = []  # (kernel, grid, the kernel's arguments)
+    monkeypatch.setattr(pa, "launch", lambda kernel, grid, block, stream, rt, *args: launches.append((kernel, grid,
+                                                                                                     args)))
     q, k, v, page_table, positions, _, _ = paged_case(rng, 1, 3, Hkv, hd, n, "bf16", page)
     pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page, max_len=n,
                        one_launch=one_launch, chunks=chunks)
     count, unit = pa.chunks_for(n, Hkv, hd, chunks=chunks)[1], pa.chunk_unit(hd, chunks)
     assert count == (2 if chunks == pa.BATCH_CHUNKS else 3)
-    (grid, args), *merge = launches
+    (kernel, grid, args), *merge = launches
     heads = pa.SEQUENCE_HEADS or 3  # a block per query head, or per KV head (its G = 3 query heads)
     assert grid == (count, 3 // heads, 1) and args[6] == unit  # (q, k, v, page_table, positions, target, unit, ...)
+    # the kernel built for these chunks' keys per team and step
+    assert kernel is pa._chunks_kernels(np.uint16, 3, hd, page, heads, chunks.unroll)[1 if one_launch else 0]
     assert len(merge) == (0 if one_launch else 1)
-    for _, args in merge:  # merge_chunks(o, m, l, positions, target, unit, out): the chunks counted alike
+    for _, _, args in merge:  # merge_chunks(o, m, l, positions, target, unit, out): the chunks counted alike
         assert args[5] == unit
 
 

@@ -73,4 +73,6 @@ def test_every_kernel_of_the_fused_step_waits_for_its_inputs(tiny, rows, ops):
     plan = StepPlan(backend, overlap=True) if rows is None else BatchPlan(backend, rows, pad_slot=48, overlap=True)
     recorded = plan.rt.record(plan._step, scratch_per_site=True)
     assert len(recorded) == plan.launches
+    if rows is None:  # one sequence's step ends with its sampler, which writes the next token's embedding row
+        assert recorded[-1][0] == "sample_next" and "embedding_rows" not in [name for name, *_ in recorded]
     assert [name for name, kernel, *_ in recorded if not getattr(kernel, "waits_for_inputs", False)] == []

@@ -4,8 +4,9 @@ sequences of a batch (`BatchPlan`, one per batch-size bucket).
 Launched from Python, a decode step of the paged recipe costs the host hundreds of launches per token, and the GPU
 waits for them. Everything that changes from one token to the next already lives on the device, so the step can be
 recorded once and replayed:
-- the inputs of the step are buffers, not Python values: `token` (the id fed in), `position` (its position) and
-  `slot` (its cache row), with the sequence's `page_table`;
+- the inputs of the step are buffers, not Python values: `x` (the fed token's embedding row, which the sampler
+  writes), `position` (its position) and `slot` (its cache row), with the sequence's `page_table`; `token` holds the
+  id the sampler chose (the step itself does not read it);
 - every intermediate is a buffer allocated once under a name (as the fields of llama2.c's RunState: `x`, `q`,
   `attn`, `act`, `logits`, and with the unfused kernels `h`, `h_final`, `k`, `v`, `o`, `gate`, `up`, `down`), and
   every split-K matmul and every completion counter has its own scratch (`Runtime.per_site`);
@@ -110,12 +111,11 @@ class Recorded:
 class StepPlan(Recorded):
     """The decode step of `backend` (a CudaBackend with the paged cache), recorded once.
 
-    Buffers (all allocated here, once): inputs `token`, `position`, `slot` ([1] int32 each, views of `inputs`),
-    `page_table` [pages] int32, the sampling settings `temperature_top_p` float64 [2] and `top_k_seed` int64 [2],
-    `history` [capacity + 1] int32 in mapped host memory (history[p]: the id chosen for position p), the sampler's
-    `weights` uint64 [V], the residual stream `x` [1, d_model] float32 (the sampler writes the next token's
-    embedding into it: the step has no embedding kernel), and the step's activations and scratch (`rt`'s named
-    pool)."""
+    Buffers (all allocated here, once): `token` (the id chosen last), inputs `position`, `slot` ([1] int32 each, views
+    of `inputs`), `page_table` [pages] int32, the sampling settings `temperature_top_p` float64 [2] and `top_k_seed`
+    int64 [2], `history` [capacity + 1] int32 in mapped host memory (history[p]: the id chosen for position p), the
+    sampler's `weights` uint64 [V], the residual stream `x` [1, d_model] float32 (the sampler writes the next token's
+    embedding into it: the step has no embedding kernel), and the step's activations and scratch (`rt`'s named pool)."""
 
     def __init__(self, backend, overlap: bool = False):
         if not backend.paged:

@@ -309,8 +309,8 @@ def _make_sample_next(to_f32):
 
         weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
         <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]; table [V, d] float32 or bf16
-        bits (to_f32 reads it), x [1, d] float32 (written after the wait: the kernel before, the logits', reads it).
-        One block of THREADS."""
+        bits (to_f32 reads it), x [1, d] float32 (written after the wait: every reader of x, the final norm or the
+        logits' kernel, has ended). One block of THREADS."""
         inputs_ready()
         p = position[0]
         tok = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1)
