@@ -241,10 +241,9 @@ class CudaBatch(Runner):
     """The CUDA backend's fused step (gpu.backend.BATCHED: FUSED, with the logits in tiles of rows and attention's
     chunks of keys paged_attention.BATCH_CHUNKS long) over several sequences sharing its paged cache: a pass per
     sequence for its prompt (kernels launched one by one), then each decode step of the running sequences as one
-    recorded step plan (gpu.plan.BatchPlan) for the smallest bucket of rows that holds them, replayed as a CUDA graph
-    on a GPU:
-    their rows side by side in every matmul, so that each weight read serves them all (every kernel sums a row the
-    same way whatever the number of rows), attention in one launch, each row through its own sequence's page table,
+    recorded step plan (gpu.plan.BatchPlan) for the smallest bucket of rows that holds them, replayed as a CUDA graph on
+    a GPU: their rows side by side in every matmul, so that each weight read serves them all (every kernel sums a row
+    the same way whatever the number of rows), attention in one launch, each row through its own sequence's page table,
     and every row's next token sampled on the GPU (T ids come back, not T x V logits), each kernel launched
     programmatically as in the "overlap" recipe (kernels/overlap.py). Only the rows' bookkeeping is on the host. One
     page of the cache, past the `pages` given to the sequences, holds the padding rows' keys and values."""
