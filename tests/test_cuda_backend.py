@@ -51,7 +51,7 @@ def test_decode_over_several_chunks_matches_reference(request, model, ops):
         model = request.getfixturevalue("tiny")
     c, chunks = model.config, CHUNKS[ops["chunks"]]
     n = 2 * chunk_unit(c.head_dim, chunks) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
-    assert chunks_for(n + 1, c.n_kv_heads, c.head_dim, chunks=chunks)[1] >= 2
+    assert chunks_for(n + 1, c.n_heads, c.n_kv_heads, c.head_dim, chunks=chunks)[1] >= 2
     ref_model, rope = as_computed(model, "bf16"), reference.rope_tables(c, n + 1)
     cache = reference.KVCache(c, n + 1)
     reference.forward(ref_model.weights, c, np.random.default_rng(9).integers(0, c.vocab_size, n), cache, rope)

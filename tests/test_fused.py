@@ -178,7 +178,7 @@ def test_flash_one_launch_equals_two(rng, H, Hkv, hd, T, n):
     """flash_decode (the chunks merged by the last block of each query and KV head to finish) gives the bits of
     flash_decode_chunks then merge_chunks; twice in a row: the first launch left its counters at zero."""
     q, k, v, page_table, positions, _, _ = paged_case(rng, T, H, Hkv, hd, n, "bf16", 16)
-    assert pa.chunks_for(n, Hkv, hd)[1] > 1
+    assert pa.chunks_for(n, H, Hkv, hd)[1] > 1
     two = run_flash(q, k, v, page_table, positions, 16, max_len=n)
     for launch in range(2):
         one = run_flash(q, k, v, page_table, positions, 16, max_len=n, one_launch=True)
@@ -192,7 +192,7 @@ def test_flash_rows_of_several_sequences_equal_each_alone(rng, chunks):
     the sequences' pages interleave in one pair of tables."""
     H, Hkv, hd = (3, 1, 16) if SIMULATOR else (c.n_heads, c.n_kv_heads, c.head_dim)
     page, lengths = 16, [5, 3 * pa.chunk_unit(hd, chunks) + 7, 40]  # the second has several chunks
-    assert pa.chunks_for(lengths[1], Hkv, hd, chunks=chunks)[1] > 1
+    assert pa.chunks_for(lengths[1], H, Hkv, hd, chunks=chunks)[1] > 1
     counts = [-(-n // page) for n in lengths]
     order = rng.permutation(sum(counts) + 2).astype(np.int32)  # two pages nobody owns
     tables = np.split(order[:sum(counts)], np.cumsum(counts)[:-1])

@@ -235,11 +235,11 @@ def run_flash(q, k, v, page_table, positions, page_size, max_len=None, one_launc
                               max_len=max_len, out=out, one_launch=one_launch, chunks=chunks).copy_to_host()
 
 
-def rescales(n, Hkv, hd, chunks=pa.SEQUENCE_CHUNKS):
+def rescales(n, H, Hkv, hd, chunks=pa.SEQUENCE_CHUNKS):
     """How many factors exp(m_old - m_new) can multiply a weight p: one per later step of its team in the chunk,
     one per shuffle round merging the teams of a warp (at most 5), one for the warps, then in merge_chunks one per
     later round of its component's thread (MERGE_UNROLL chunks each)."""
-    length, count = pa.chunks_for(n, Hkv, hd, chunks=chunks)
+    length, count = pa.chunks_for(n, H, Hkv, hd, chunks=chunks)
     return -(-length // pa.tile_keys(hd, chunks.unroll)) + 5 + 1 + -(-count // pa.MERGE_UNROLL)
 
 
@@ -247,7 +247,7 @@ def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4, chunks=pa.SEQUENCE_CH
     q, k, v, page_table, positions, k_log, v_log = paged_case(rng, T, H, Hkv, hd, n, dtype, page_size)
     got = run_flash(q, k, v, page_table, positions, page_size, max_len=n, chunks=chunks)
     want = R.attention(q.astype(np.float64), k_log.astype(np.float64), v_log.astype(np.float64), positions)
-    tiles = rescales(n, Hkv, hd, chunks)
+    tiles = rescales(n, H, Hkv, hd, chunks)
     check(got, want, flash_tolerance(q, k_log, v_log, positions, tiles),
           f"n={n} {dtype} T={T} H={H} Hkv={Hkv} {chunks}")
 
@@ -268,7 +268,7 @@ def test_flash_batch_chunks(rng, n):
     unit, step = pa.chunk_unit(hd, batch), pa.tile_keys(hd, batch.unroll)
     assert batch.steps > 1 and unit == batch.steps * step
     keys = (n - 1) * unit + step + 5
-    assert pa.chunks_for(keys, Hkv, hd, chunks=batch) == (unit, n)
+    assert pa.chunks_for(keys, 3, Hkv, hd, chunks=batch) == (unit, n)
     for T in (1, 3):
         check_flash(rng, T, 3, Hkv, hd, keys, "bf16", page_size=16, chunks=batch)
 
@@ -303,7 +303,7 @@ def test_flash_grid_follows_the_chunks(rng, monkeypatch, chunks, one_launch):
     q, k, v, page_table, positions, _, _ = paged_case(rng, 1, 3, Hkv, hd, n, "bf16", page)
     pa.flash_attention(dev(q), dev(k), dev(v), dev(page_table), dev(positions), page, max_len=n,
                        one_launch=one_launch, chunks=chunks)
-    count, unit = pa.chunks_for(n, Hkv, hd, chunks=chunks)[1], pa.chunk_unit(hd, chunks)
+    count, unit = pa.chunks_for(n, 3, Hkv, hd, chunks=chunks)[1], pa.chunk_unit(hd, chunks)
     assert count == (2 if chunks == pa.BATCH_CHUNKS else 3)
     (kernel, grid, args), *merge = launches
     heads = pa.SEQUENCE_HEADS or 3  # a block per query head, or per KV head (its G = 3 query heads)
@@ -331,18 +331,22 @@ def test_flash_shapes(rng, H, Hkv, hd, n, page_size):
     check_flash(rng, 2, H, Hkv, hd, n, "f32", page_size)
 
 
-def test_flash_chunks():
-    """The chunk rule: whole steps of a block, at most chunk_target chunks, and a function of n alone (no T)."""
-    for Hkv in (1, 3, 8):
+@pytest.mark.parametrize("chunks", [pa.SEQUENCE_CHUNKS, pa.BATCH_CHUNKS])
+def test_flash_chunks(chunks):
+    """The chunk rule: whole steps of a block, at most chunk_target chunks, and a function of n alone (no T); a
+    chunk's blocks (a block per query head for a sequence, per KV head for a batch's rows) in one wave of the GPU."""
+    for H, Hkv in ((1, 1), (3, 1), (9, 3), (32, 8)):
+        blocks = H if chunks.per_query_head else Hkv
         for hd in (8, 24, 64, 128):
-            target, unit = pa.chunk_target(Hkv, sms=132), pa.tile_keys(hd)
+            target, unit = pa.chunk_target(H, Hkv, chunks, sms=132), pa.chunk_unit(hd, chunks)
+            assert target * blocks <= pa.BLOCKS_PER_SM * 132 < (target + 1) * blocks
             for n in (1, 15, 16, 17, 100, 1000, 4096, 100_000):
-                length, count = pa.chunks_for(n, Hkv, hd, sms=132)
+                length, count = pa.chunks_for(n, H, Hkv, hd, sms=132, chunks=chunks)
                 assert length % unit == 0 and count <= target
                 assert (count - 1) * length < n <= count * length  # no empty chunk
-    assert pa.chunks_for(pa.tile_keys(64), 3, 64, sms=132)[1] == 1  # a short context: one chunk
-    blocks = pa.chunks_for(4096, 3, 64, sms=132)[1] * 3  # a long one fills the GPU: 4 warps per SM or a block
-    assert blocks * pa.WARPS >= 4 * 132 or blocks >= 132
+    assert pa.chunks_for(pa.chunk_unit(64, chunks), 9, 3, 64, sms=132, chunks=chunks)[1] == 1  # short: one chunk
+    if chunks.per_query_head:  # SmolLM2 at 4k: a wave of a block per query head and chunk, not three
+        assert pa.chunks_for(4096, 9, 3, 64, sms=132)[1] * 9 in range(132, pa.BLOCKS_PER_SM * 132 + 1)
 
 
 @pytest.mark.parametrize("hd", [16, 40])
@@ -372,7 +376,7 @@ def test_flash_query_alone_equals_query_in_prefill(rng):
     n = 3 * unit + 12
     q, k, v, page_table, positions, _, _ = paged_case(rng, 3, H, Hkv, hd, n, "f32", page_size)
     positions = np.array([unit - 4, n - 2, n - 1], np.int32)  # one chunk (alone: no merge), then several
-    assert pa.chunks_for(unit - 3, Hkv, hd)[1] == 1 < pa.chunks_for(n - 1, Hkv, hd)[1]
+    assert pa.chunks_for(unit - 3, H, Hkv, hd)[1] == 1 < pa.chunks_for(n - 1, H, Hkv, hd)[1]
     prefill = run_flash(q, k, v, page_table, positions, page_size, max_len=n)
     for t in range(3):
         alone = run_flash(q[t:t + 1], k, v, page_table, positions[t:t + 1], page_size, max_len=int(positions[t]) + 1)
@@ -406,7 +410,7 @@ def test_flash_through_the_cache(rng):
                                  cache.page_size, max_len=n, out=out).copy_to_host()
         k_all, v_all = np.concatenate(keys[seq]), np.concatenate(values[seq])
         want = R.attention(q.astype(np.float64), k_all.astype(np.float64), v_all.astype(np.float64), positions)
-        check(got, want, flash_tolerance(q, k_all, v_all, positions, rescales(n, 1, hd)), f"step {step} ({seq})")
+        check(got, want, flash_tolerance(q, k_all, v_all, positions, rescales(n, 2, 1, hd)), f"step {step} ({seq})")
     assert cache.page_table("a", 6).tolist() == [0, 3, 4, 5, -1, -1]  # b took pages 1 and 2 in between
 
 

@@ -507,3 +507,46 @@ def test_readme_quotes_notebook_06s_bench():
             f"`torch.compile` + graph {run['peers']['compile+graph']:.1f}, bound {run['bound_tokens_per_s']:,.0f}"
             ) in row
 
+
+
+def test_swiglu_prose_quotes_the_recorded_run():
+    """Notebook 05's SwiGLU speed-ups against M and the README's row 05 (data/05_swiglu_h200.json): the split-K pair
+    at every M, the fused kernel's time the 1.5x target at 512 rows would need."""
+    run = recorded("05_swiglu_h200.json")
+    small = {r["M"]: r for r in run["SmolLM2-135M-Instruct (576 x 1536)"]}
+    gain = {m: r["narrow"] / r["narrow fused"] for m, r in small.items()}
+    assert all(r["narrow"] < r["tiled"] for m, r in small.items() if m <= 512)  # the fastest unfused path there
+    text = prose("05", "On the H200 (recorded, `data/05_swiglu_h200.json`)")
+    for figure in (f"{gain[1]:.2f}× faster than its unfused path at one row ({small[1]['narrow fused']:.1f} against "
+                   f"{small[1]['narrow']:.1f} µs) and {gain[16]:.2f}× at 16 ({small[16]['narrow fused']:.1f} against "
+                   f"{small[16]['narrow']:.1f})",
+                   f"({small[512]['narrow fused']:.0f} against {small[512]['narrow']:.0f} µs at 512",
+                   f"missed at 512 ({gain[512]:.2f}×): there the fused kernel would need "
+                   f"{small[512]['narrow'] / 1.5:.0f} µs instead of {small[512]['narrow fused']:.0f}"):
+        assert figure in text, f"notebook 05 does not quote {figure!r}"
+    assert 1.5 < gain[1] and gain[16] < 1.5 and gain[512] < 1.5
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| 05 |"))
+    assert (f"{gain[1]:.2f}× at M = 1, {gain[16]:.2f}× at 16 and {gain[512]:.2f}× at 512 on SmolLM2's shapes"
+            in " ".join(row.split()))
+
+
+def test_attention_wave_prose_quotes_its_run():
+    """Notebooks 04 and 05 and the README's row 04: a sequence's chunk count aiming at one wave of query-head blocks,
+    against the rule before (data/attention_wave_h200.json, run 1: 'wave1' is the rule now, 'now' the code before)."""
+    run = recorded("attention_wave_h200.json")
+    before, after, read = run["run1"]["now"], run["run1"]["wave1"], run["read_us"]["run1"]
+    assert before["4096"]["chunks"] == 32 and after["4096"]["chunks"] == 16 and after["16384"]["chunks"] == 26
+    assert before["1024"]["chunks"] == after["1024"]["chunks"]  # the same chunks below ~3,700 keys
+    figure = (f"{before['4096']['us']:.1f} → {after['4096']['us']:.1f} µs at 4k and {before['16384']['us']:.1f} → "
+              f"{after['16384']['us']:.1f} at 16k")
+    assert figure in prose("04", "What the H200 shows in the recorded run"), figure
+    assert f"against {read['4096']:.1f} and {read['16384']:.1f} µs for a plain read" in prose(
+        "04", "What the H200 shows in the recorded run")
+    assert (f"attention alone {before['4096']['us']:.1f} → {after['4096']['us']:.1f} µs in one launch "
+            f"({before['16384']['us']:.1f} → {after['16384']['us']:.1f} at 16,384)") in prose(
+        "05", "### A block per query head")
+    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
+                        if line.startswith("| 04 |")).split())
+    assert (f"{before['4096']['us']:.1f} → {after['4096']['us']:.1f} µs at 4k and {before['16384']['us']:.1f} → "
+            f"{after['16384']['us']:.1f} µs at 16k on SmolLM2's shapes, against {read['4096']:.1f} and "
+            f"{read['16384']:.1f} µs for a plain read") in row

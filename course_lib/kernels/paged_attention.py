@@ -79,24 +79,30 @@ THREADS = 32 * WARPS
 
 class Chunks(NamedTuple):
     """How flash-decoding walks a query's keys: a block step reads `unroll` keys per team of lanes (2 unroll 16-byte
-    groups of bf16 in flight per lane, 4 unroll of float32), and a chunk is a whole number of `steps` block steps. A
-    query's bits depend on both (which team adds which key, in which order): every pass over a cache takes the
-    same."""
+    groups of bf16 in flight per lane, 4 unroll of float32), and a chunk is a whole number of `steps` block steps.
+    The chunk count aims at one wave of BLOCKS_PER_SM blocks per SM, counting a block per query head and chunk
+    (per_query_head: one sequence, a block per query head, SEQUENCE_HEADS) or per KV head and chunk. A query's bits
+    depend on all three (which team adds which key, in which order, and where the chunks split): every pass over a
+    cache takes the same."""
 
     unroll: int
     steps: int
+    per_query_head: bool
 
 
-SEQUENCE_CHUNKS = Chunks(unroll=4, steps=1)  # one sequence: as many short chunks as fill the GPU
-BATCH_CHUNKS = Chunks(unroll=2, steps=4)  # a batched step (op chunks="batch"): its many rows already fill the GPU, and
-# every chunk past the first costs a merge; two keys a step hold fewer registers per lane. Against four keys and two
-# steps (the same 256 keys a chunk): level while a row has one chunk, faster from two (notebook 07)
+SEQUENCE_CHUNKS = Chunks(unroll=4, steps=1, per_query_head=True)  # one sequence: as many short chunks as fill the GPU
+# once (counting a chunk's blocks per KV head, as before, made three waves of short chunks from ~4k keys: 16.0 against
+# 13.1 us at 4,096 keys, 29.7 against 21.5 at 16,384, notebook 04)
+BATCH_CHUNKS = Chunks(unroll=2, steps=4, per_query_head=False)  # a batched step (op chunks="batch"): its many rows
+# already fill the GPU, and every chunk past the first costs a merge; two keys a step hold fewer registers per lane.
+# Against four keys and two steps (the same 256 keys a chunk): level while a row has one chunk, faster from two
+# (notebook 07)
 SEQUENCE_HEADS = 1  # query heads per block of one sequence's flash-decoding (0: all G of its KV head): a block per
 # query head, G times the blocks (a short context's few blocks set its pace, not the G reads of K and V from L2)
 BATCH_HEADS = 0  # the same for a batch's rows, which fill the GPU without that: a block per KV head (faster there)
 BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastest of 2, 3 and 4 at 4k)
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
-SIM_SMS = 2  # "SMs" of the simulator here (small: few blocks)
+SIM_SMS = 6  # "SMs" of the simulator here (few blocks, yet a sequence of the tiny model's 4 query heads gets 3 chunks)
 MAX_CHUNKS = 1024  # chunks per query at most
 MERGE_THREADS = sized(256, 32)  # threads of a merge_chunks block at most (a thread per component of a head)
 MERGE_UNROLL = 16  # chunks each merge thread loads at once (their o, m and l)
@@ -114,17 +120,19 @@ def chunk_len(n_keys, target, unit):
 _chunk_len = cuda.jit(device=True)(chunk_len)
 
 
-def chunk_target(n_kv_heads: int, sms: int | None = None) -> int:
-    """Chunks per query that give BLOCKS_PER_SM blocks per SM with n_kv_heads blocks per chunk."""
+def chunk_target(n_heads: int, n_kv_heads: int, chunks: Chunks, sms: int | None = None) -> int:
+    """Chunks per query that give at most BLOCKS_PER_SM blocks per SM (at least one chunk), a chunk taking n_heads
+    blocks when chunks.per_query_head, else n_kv_heads."""
     sms = sm_count(SIM_SMS) if sms is None else sms
-    return max(1, min(MAX_CHUNKS, -(-BLOCKS_PER_SM * sms // n_kv_heads)))
+    blocks = n_heads if chunks.per_query_head else n_kv_heads
+    return max(1, min(MAX_CHUNKS, BLOCKS_PER_SM * sms // blocks))  # one wave at most
 
 
-def chunks_for(n_keys: int, n_kv_heads: int, head_dim: int, sms: int | None = None,
+def chunks_for(n_keys: int, n_heads: int, n_kv_heads: int, head_dim: int, sms: int | None = None,
                chunks: Chunks = SEQUENCE_CHUNKS) -> tuple[int, int]:
     """(chunk length, number of chunks) of a query that sees n_keys keys (n_keys = position + 1), chunks of whole
-    groups of chunks.steps block steps (chunk_unit)."""
-    length = chunk_len(n_keys, chunk_target(n_kv_heads, sms), chunk_unit(head_dim, chunks))
+    groups of chunks.steps block steps (chunk_unit), at most chunk_target of them."""
+    length = chunk_len(n_keys, chunk_target(n_heads, n_kv_heads, chunks, sms), chunk_unit(head_dim, chunks))
     return length, -(-n_keys // length)
 
 
@@ -506,10 +514,10 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     keys 0..positions[t], key j at row page_table[j // page_size] * page_size + j % page_size (each positions[t] <
     P * page_size, unchecked). max_len: an upper bound of max(positions) + 1 on the host (it sizes the grid; a
     larger one costs idle blocks, never changes the result); None reads positions back from the device (a sync).
-    chunks: the keys of a block step and the steps of a chunk (Chunks); a query's bits depend on them, so every
-    pass over a cache takes the same. heads: query heads per block, a divisor of G (None: SEQUENCE_HEADS for one
-    sequence's queries, BATCH_HEADS for a batch's rows; 0 there: G, every head of a KV head); the bits do not depend
-    on it.
+    chunks: the keys of a block step, the steps of a chunk and the blocks the chunk count fills the GPU with
+    (Chunks); a query's bits depend on them, so every pass over a cache takes the same. heads: query heads per
+    block, a divisor of G (None: SEQUENCE_HEADS for one sequence's queries, BATCH_HEADS for a batch's rows; 0 there:
+    G, every head of a KV head); the bits do not depend on it.
     H a multiple of Hkv, G = H / Hkv <= MAX_GROUP, hd a multiple of 8 and <= MAX_HEAD_DIM, G hd <= MAX_GROUP_DIMS.
     -> out [T, H, hd] float32 (the same bits either way).
     """
@@ -540,7 +548,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     pages = page_table.shape[page_table.ndim - 1]  # (the simulator's shapes take no negative index)
     if max_len > pages * page_size:
         raise ValueError(f"flash_attention: max_len {max_len} > {pages} pages x {page_size}")
-    target, unit = chunk_target(Hkv), chunk_unit(hd, chunks)
+    target, unit = chunk_target(H, Hkv, chunks), chunk_unit(hd, chunks)
     n_chunks = max(1, min(target, -(-max_len // unit)))  # at least the chunks of any query of the pass
     common = (q, words(k_table), words(v_table), page_table, positions, target, unit, np.float32(1.0 / np.sqrt(hd)),
               out)

@@ -230,21 +230,20 @@ def _swiglu_variants(x, d_ff: int) -> dict:
         k_matmul.matmul(x, w[1], up, stream)
         k_elt.silu_mul(gate, up, out=act, stream=stream)
 
-    variants = {"tiled": tiled,
-                "two passes": lambda w, stream: k_fused.swiglu_two_passes(x, w[0], w[1], act, stream),
-                "interleaved": lambda w, stream: k_fused.swiglu_interleaved(x, w[2], act, stream)}
-    if x.shape[0] > k_narrow.MAX_ROWS:
-        return variants
     return {"narrow": narrow,
-            "narrow fused": lambda w, stream: k_fused.gate_up_swiglu(x, w[2], None, act, stream=stream)} | variants
+            "narrow fused": lambda w, stream: k_fused.gate_up_swiglu(x, w[2], None, act, stream=stream),
+            "tiled": tiled,
+            "two passes": lambda w, stream: k_fused.swiglu_two_passes(x, w[0], w[1], act, stream),
+            "interleaved": lambda w, stream: k_fused.swiglu_interleaved(x, w[2], act, stream)}
 
 
 def swiglu_times(d: int, d_ff: int, rows: list[int], weights: str = "bf16", repeats: int = 20) -> list[dict]:
     """Microseconds of GPU time per call of SwiGLU's projections, silu(x @ w_gate) * (x @ w_up) for x [M, d], at each
-    M of `rows`, graph-timed (_gb_per_s), unfused against fused: for M <= 16 the narrow split-K matmuls ("narrow":
-    two matmuls and silu_mul; "narrow fused": one kernel on the interleaved columns, kernels.fused.gate_up_swiglu),
-    and at every M the tiled ones ("tiled": two matmuls and silu_mul; "two passes" and "interleaved": the paper's two
-    strategies, kernels.fused). -> [{"M": M, variant: us, ...}]."""
+    M of `rows`, graph-timed (_gb_per_s), unfused against fused: the library's split-K matmuls ("narrow": two
+    matmuls and silu_mul; "narrow fused": one kernel on the interleaved columns, kernels.fused.gate_up_swiglu; beyond
+    four rows both sum their slices in tiles, a launch per 64 rows) and the tiled ones ("tiled": two matmuls and
+    silu_mul; "two passes" and "interleaved": the paper's two strategies, kernels.fused). -> [{"M": M, variant: us,
+    ...}]."""
     from ..kernels.fused import interleave_gate_up
     from ..model.safetensors_io import f32_to_bf16
 
@@ -286,7 +285,7 @@ def attention_bandwidth(config, lengths: list[int], repeats: int = 30, graph: bo
         table = cuda.to_device(rng.permutation(pages).astype(np.int32))
         nbytes = 2 * n * Hkv * hd * 4
         row = {"context": n, "MB": nbytes / 1e6, "read": read_bandwidth(nbytes, repeats, graph),
-               "chunks": k_paged.chunks_for(n, Hkv, hd)[1]}
+               "chunks": k_paged.chunks_for(n, H, Hkv, hd)[1]}
         def baseline(c, stream, n=n, positions=positions):
             return k_attention.attention(q, c[0][:n], c[1][:n], positions, stream=stream)
 
