@@ -7,9 +7,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from checks import as_computed
+from checks import as_computed, logit_tolerance
 
-from course_lib import Engine, generate
+from course_lib import Engine, generate, reference
 from course_lib.kernels import SIMULATOR
 from course_lib.megakernel.runner import Megakernel, check_shapes
 from course_lib.model.config import SMOLLM2_135M
@@ -39,6 +39,26 @@ def test_megakernel_gives_the_reference_greedy_tokens(mk_model, weights):
             fused = Engine(mk_model, "cuda", recipe="fused", weights=weights, capacity=96)
             assert engine.generate(prompt, max_new_tokens=N_NEW, stop=False).token_ids == \
                 fused.generate(prompt, max_new_tokens=N_NEW, stop=False).token_ids
+
+
+def test_megakernel_logits_match_reference(mk_model):
+    """Each launch's last logits (the kernel's buffer, poisoned before) against the reference's within
+    checks.logit_tolerance: the tokens alone can hide an error that moves every logit a little (a greedy run that
+    repeats one token)."""
+    weights = "f32" if SIMULATOR else "bf16"
+    c, prompt = mk_model.config, PROMPTS[0]
+    ids = np.asarray(prompt if SIMULATOR else mk_model.tokenizer.encode(prompt))
+    mk = Megakernel(mk_model, 32, weights=weights)
+    ref_model, cache, rope = as_computed(mk_model, weights), reference.KVCache(c, 32), reference.rope_tables(c, 32)
+    poison = np.full(c.vocab_size, np.nan, np.float32)
+    mk.state.logits.copy_to_device(poison)
+    token, fed = mk.prefill(ids), ids
+    for _ in range(2):
+        ref = reference.forward(ref_model.weights, c, fed, cache, rope)
+        ours = mk.state.logits.copy_to_host()
+        assert np.all(np.isfinite(ours)) and np.abs(ours - ref).max() <= logit_tolerance(c, np.abs(ref).max())
+        mk.state.logits.copy_to_device(poison)
+        fed, token = [token], mk.decode(1)[0]
 
 
 def test_megakernel_seeded_sampling_matches_reference(request):
@@ -72,20 +92,25 @@ def test_the_diff_tool_names_the_first_wrong_instruction(tiny):
     """Bisecting the step with program prefixes: clean against the twin, then a weight of layer 1's gate column 20
     changed on the GPU: the first wrong instruction is the gate/up slice holding that column."""
     from course_lib.kernels import cuda
-    from course_lib.megakernel import Twin
-    from course_lib.megakernel.diff import first_kernel_difference
+    from course_lib.megakernel import Twin, TwinState
+    from course_lib.megakernel.diff import COMPARED, first_kernel_difference
     from course_lib.megakernel.kernel import SLICE_COLS
 
     mk = Megakernel(tiny, 16, weights="f32")
     twin = Twin(tiny, 16, cols=SLICE_COLS, vocab_cols=384)
     tokens = [42]
-    assert first_kernel_difference(mk, twin, tokens, tolerance=1e-3) is None
+    clean = TwinState.empty(tiny, 16)  # the twin's step alone: the scale of its buffers
+    clean.token[0] = tokens[0]
+    twin.run(clean, range(len(twin.program)))
+    scale = max(float(np.abs(getattr(clean, name)).max()) for name in COMPARED if name != "token")
+    tolerance = logit_tolerance(tiny.config, scale)  # the same float32 pass, another summation order
+    assert first_kernel_difference(mk, twin, tokens, tolerance) is None
     c = tiny.config
     gate = mk.w["w_gate"].copy_to_host().view(np.float32)  # [L, d, d_ff], flat
     gate[(1 * c.d_model + 0) * c.d_ff + 20] += 5.0
     mk.w["w_gate"] = cuda.to_device(gate.view(np.uint32))
-    index, ins, buffer, gap = first_kernel_difference(mk, twin, tokens, tolerance=1e-3)
-    assert (ins.op, ins.layer, ins.start) == ("gate_up", 1, 16) and buffer == "act" and gap > 1e-3
+    index, ins, buffer, gap = first_kernel_difference(mk, twin, tokens, tolerance)
+    assert (ins.op, ins.layer, ins.start) == ("gate_up", 1, 16) and buffer == "act" and gap > tolerance
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="SCORES_AT is a compile-time constant on a GPU (read at run time in the "

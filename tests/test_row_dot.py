@@ -70,7 +70,8 @@ def rope64(a, b, c, s):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("T,dtype,bias,kv", [(1, "bf16", False, np.uint16), (5, "f32", True, np.float32)])
+@pytest.mark.parametrize("T,dtype,bias,kv", [(1, "bf16", False, np.uint16), (3, "bf16", True, np.uint16),
+                                             (5, "f32", True, np.float32)])
 def test_qkv_rope_matches_float64(rng, shape, T, dtype, bias, kv):
     """RMSNorm, [q | k | v] = h @ W (+ bias), RoPE on the q and k heads at each row's position, q stored, k and v
     into their cache rows (one slot skipped: its row keeps its poison, as every row nobody writes)."""
