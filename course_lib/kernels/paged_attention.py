@@ -91,8 +91,8 @@ class Chunks(NamedTuple):
 
 
 SEQUENCE_CHUNKS = Chunks(unroll=4, steps=1, per_query_head=True)  # one sequence: as many short chunks as fill the GPU
-# once (counting a chunk's blocks per KV head, as before, made two or more waves of short chunks from ~4k keys: 16.0
-# against 13.1 us at 4,096 keys, 29.7 against 21.5 at 16,384, notebook 04)
+# once (counting a chunk's blocks per KV head, as before, made two or more waves of short chunks from ~4k keys, and
+# was slower: notebook 04)
 BATCH_CHUNKS = Chunks(unroll=2, steps=4, per_query_head=False)  # a batched step (op chunks="batch"): its many rows
 # already fill the GPU, and every chunk past the first costs a merge; two keys a step hold fewer registers per lane.
 # Against four keys and two steps (the same 256 keys a chunk): level while a row has one chunk, faster from two
