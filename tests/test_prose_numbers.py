@@ -121,6 +121,15 @@ def test_overlap_prose_quotes_its_run():
                    f"{100 * (overlap['tokens_per_s'] / peer - 1):.0f}% ahead of", f"({peer:.0f} tokens/s)",
                    f"{chain[0] - chain[1]:.2f} µs less", f"the {fused['kernels_per_token']} kernels of the step"):
         assert figure in text, f"notebook 06 does not quote {figure!r}"
+    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
+                        if line.startswith("| 06 |")).split())
+    sampler_us = recorded("megakernel_h200.json")["by_op"]["sample"]["run_mean_us"]
+    for figure in (f"tiny kernels {chain[0]:.2f} → {chain[1]:.2f} µs per kernel",
+                   f"the fused step {fused['gpu_ms_per_token']:.3f} → {overlap['gpu_ms_per_token']:.3f} GPU ms, "
+                   f"{fused['tokens_per_s']:.0f} → {overlap['tokens_per_s']:.0f} tokens/s",
+                   f"`torch.compile` + graph at {peer:.0f} in the same run",
+                   f"the one-block sampler {sampler_us:.0f} µs"):
+        assert figure in row, f"README row 06 does not quote {figure!r}"
     launches = recorded("06_launches_h200.json")["host_us_per_launch"]
     assert (f"{launches['dispatcher']:.0f} µs through Numba's dispatcher and {launches['fast']:.0f} µs through the "
             "runtime's fast path") in prose("06", "A decode step of the paged recipe")
