@@ -37,8 +37,9 @@ kernels are thin wrappers around the device functions `chunk_block` and `merge_h
 (virtual block index, buffers).
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
-(`chunk_unit`), so that the chunks of the longest queries times Hkv give about BLOCKS_PER_SM blocks per SM. The
-length depends only on n, Hkv, hd and the GPU (never on T), and so does the merge, which counts the query's own
+(`chunk_unit`), so that the chunks of the longest queries fill the GPU once: at most BLOCKS_PER_SM blocks per SM,
+counting a block per query head and chunk for one sequence (SEQUENCE_CHUNKS), per KV head and chunk for a batch. The
+length depends only on n, the heads, hd and the GPU (never on T), and so does the merge, which counts the query's own
 chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's x is
 the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
 A batched generator's passes all take BATCH_CHUNKS instead (flash_attention's `chunks`): longer chunks, its many
