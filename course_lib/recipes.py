@@ -1,6 +1,6 @@
 """Recipes: the course's progression, one named way of running a decode step per notebook, listed in one place.
 
-A recipe chooses a kernel for each stage of a layer (`cuda_backend.OP_CHOICES`) and how the host drives a step:
+A recipe chooses a kernel for each stage of a layer (`gpu.backend.OP_CHOICES`) and how the host drives a step:
 - "launches": the host launches every kernel of every step from Python and samples on the host from the logits
   it copies back (notebooks 01 to 04);
 - "plan": the step recorded once (course_lib.gpu.plan), its launches replayed with pre-flattened arguments, the token,
@@ -22,7 +22,7 @@ class Recipe:
     name: str
     notebook: str  # where the recipe is introduced
     summary: str
-    ops: dict = field(hash=False)  # a kernel choice per stage (cuda_backend.OP_CHOICES)
+    ops: dict = field(hash=False)  # a kernel choice per stage (gpu.backend.OP_CHOICES)
     replay: str = "launches"  # "launches", "plan", "graph" or "megakernel"
     steps_per_launch: int = 1  # decode steps per graph or megakernel launch
     overlap: bool = False  # the plan's kernels launched programmatically (kernels/overlap.py: Hopper), each starting

@@ -503,7 +503,7 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
                     rt=None, one_launch: bool = False, seq_of_row=None, chunks: Chunks = SEQUENCE_CHUNKS,
                     heads: int | None = None):
     """Causal GQA attention of one sequence through its page table: flash_decode_chunks, then merge_chunks; or,
-    one_launch, flash_decode (the chunks merged by the last block of each query and KV head to finish). With
+    one_launch, flash_decode (the chunks merged by the last block of each query and group of heads to finish). With
     seq_of_row [T] int32, the rows belong to several sequences: page_table is [S, P], one row per sequence, row t
     reads its keys through page_table[seq_of_row[t]] (flash_decode_rows, always one launch; the same bits as each
     sequence's rows alone). Launched programmatically (a step plan with overlapping launches) the kernels read the
