@@ -566,13 +566,6 @@ def test_attention_wave_prose_quotes_its_run():
             f"{read['16384']:.1f} µs for a plain read") in row
 
 
-def stored_output(notebook: str, marker: str) -> str:
-    """The stored text output (the recorded run's) of the code cell of `notebook` whose source contains `marker`."""
-    cells = [c for c in notebook_cells(notebook) if c["cell_type"] == "code" and marker in "".join(c["source"])]
-    assert len(cells) == 1, f"notebook {notebook}: {len(cells)} code cells contain {marker!r}"
-    return "".join("".join(o.get("text", "")) for o in cells[0]["outputs"])
-
-
 def test_flash_decoding_prose_quotes_its_run():
     """Notebook 04: the three versions' GB/s (data/04_versions_h200.json), and the whole-model comparison and
     profile of section 6, from the stored outputs of the notebook's recorded run."""
@@ -584,9 +577,9 @@ def test_flash_decoding_prose_quotes_its_run():
             in text)
     assert f"({v['1024']['v3']:.0f}, {v['4096']['v3']:.0f} and {v['16384']['v3']:.0f} GB/s)" in text
     runs = re.findall(r"(narrow|paged \+ flash)[^:]*: prefill of \d+ tokens +([\d.]+) ms, decode +([\d.]+) tokens/s",
-                      stored_output("04", "chat = model.tokenizer.apply_chat_template"))
+                      stored_text("04", "chat = model.tokenizer.apply_chat_template"))
     speeds = {name: (float(ms), float(tps)) for name, ms, tps in runs}
-    profile = stored_output("04", "step = profiler.profile_decode")
+    profile = stored_text("04", "step = profiler.profile_decode")
     flash_ms = sum(float(re.search(rf"{k} +\d+ +([\d.]+)", profile).group(1))
                    for k in ("flash_decode_chunks", "merge_chunks"))
     paged, narrow = speeds["paged + flash"], speeds["narrow"]
