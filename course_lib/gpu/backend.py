@@ -66,8 +66,9 @@ OP_CHOICES = {
 BASELINE = {op: choices[0] for op, choices in OP_CHOICES.items()}
 NARROW = BASELINE | {"matmul": "narrow", "logits": "transposed", "bias": "fused"}
 PAGED = NARROW | {"kv_cache": "paged"}
-# the fastest measured step: attention stays two kernels (on the H200, a separate merge kernel beat the merge by each
-# head's last block from two chunks of keys up, 1.30 against 1.40 ms per step at 200 keys; data/h200_kernel_notes.md)
+# every fusion of notebook 05 but attention's: it stays two kernels (with a block per KV head, a separate merge kernel
+# beat the merge by each head's last block from two chunks of keys up on the H200, 1.30 against 1.40 ms per step at
+# 200 keys; data/h200_kernel_notes.md); the batched step builds on it
 FUSED = PAGED | {"residual": "fused", "norm": "fused", "qkv": "fused", "swiglu": "fused"}
 ROW_DOT = FUSED | {"projection": "row_dot"}
 # five kernels a layer: with a block per query head (paged_attention.SEQUENCE_HEADS), the merge by each head's last

@@ -4,9 +4,12 @@ sequences of a batch (`BatchPlan`, one per batch-size bucket).
 Launched from Python, a decode step of the paged recipe costs the host hundreds of launches per token, and the GPU
 waits for them. Everything that changes from one token to the next already lives on the device, so the step can be
 recorded once and replayed:
-- the inputs of the step are buffers, not Python values: `x` (the fed token's embedding row, which the sampler
-  writes), `position` (its position) and `slot` (its cache row), with the sequence's `page_table`; `token` holds the
-  id the sampler chose (the step itself does not read it);
+- the inputs of the step are buffers, not Python values. A StepPlan's: `x` (the fed token's embedding row, which
+  the sampler writes), `position` (its position) and `slot` (its cache row), with the sequence's `page_table`;
+  `token` holds the id the sampler chose (the step itself does not read it). A BatchPlan's: one int32 buffer of its
+  rows' token ids, positions, slots and page tables, sent from pinned host memory before each step; the step
+  embeds the ids itself (`feed_tokens` first puts in each row the token the step before chose, where it is fed
+  one), and its chosen ids come back into pinned memory;
 - every intermediate is a buffer allocated once under a name (as the fields of llama2.c's RunState: `x`, `q`,
   `attn`, `act`, `logits`, and with the unfused kernels `h`, `h_final`, `k`, `v`, `o`, `gate`, `up`, `down`), and
   every split-K matmul and every completion counter has its own scratch (`Runtime.per_site`);

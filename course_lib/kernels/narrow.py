@@ -193,8 +193,9 @@ def split_k_block_for(rows, width, load, normed):
     columns per lane (1, or VEC with 16-byte loads): load(b, k, v, per_row) gives the `width` float32 weights of
     row k, columns width v .. width v + width - 1. normed: the rows of a are RMS-normalized on the fly, h[r, k] =
     a[r, k] / rms(a[r]) * gamma[k], with the same bits as rms_norm (`elementwise.row_rms`), so no normalized copy
-    is written or read. The kernels of this module and of `fused` are thin wrappers around it (a launch of many rows
-    calls it once per chunk of rows: `rows_of_block`)."""
+    is written or read. The split-K kernels of this module and of `fused` are thin wrappers around it (a launch of
+    many rows calls it once per chunk of rows: `rows_of_block`); the tile kernels, which take a batch's rows beyond
+    KERNEL_ROWS with 16-byte loads, have loops of their own (`split_k_tile_sums`)."""
     group = 32 * width  # columns of a block
 
     @cuda.jit(device=True)
@@ -523,8 +524,9 @@ def prefetch_slice_for(units):
 @functools.cache
 def column_total_for(bias_f32):
     """The device function column_total(partial, bias, r, n): the K-sum of column n of row r, the S slices of
-    partial added in slice order (sum_slices), + bias[n] read by bias_f32 (a bias of length 0 is none). Every
-    epilogue starts from it (store_group here, those of kernels/fused)."""
+    partial added in slice order (sum_slices), + bias[n] read by bias_f32 (a bias of length 0 is none). The split-K
+    kernels' epilogues start from it (store_group here, those of kernels/fused); the tile kernels' last blocks and
+    add_norm_epilogue add the slices in the same order, 16 bytes at a time (quads_total), for the same bits."""
 
     @cuda.jit(device=True)
     def column_total(partial, bias, r, n):
@@ -1058,15 +1060,15 @@ def _transposed_blocks(n: int, per_block: int) -> int:
 
 def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool = False, norm=None,
                   norm_after=None):
-    """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32,
-    for any R >= 1 (made for R <= MAX_ROWS: many more rows are the tiled matmul's work, see `linear`): split-K
-    launches (split_k_launches) through the partial sums [S, rows, N] of `partial_sums` (see the top). accumulate:
-    out += the product (out required: the residual stream), in the reduction that writes it, without an add
-    kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the norm computed by the matmul's blocks for one
-    row, by rms_norm first for more (NORMED_ROWS; the same bits either way). norm_after = (gamma [N] float32, eps,
-    h [R, N]) with accumulate: also h = RMSNorm(out) * gamma, the next projection's input, by the epilogue of the
-    rows summed in tiles (add_norm_epilogue: one launch instead of two), by rms_norm for the others (the same
-    bits)."""
+    """a [R, K] float32 @ b [K, N] float32 or bf16 (uint16) (+ bias [N] float32 or bf16) -> out [R, N] float32, for
+    any R >= 1 (a batch's rows beyond KERNEL_ROWS in tiles; `linear` sends more than MAX_ROWS rows, a prefill's, to
+    the tiled matmul instead): split-K launches (split_k_launches) through the partial sums [S, rows, N] of
+    `partial_sums` (see the top). accumulate: out += the product (out required: the residual stream), in the
+    reduction that writes it, without an add kernel. norm = (gamma [K] float32, eps): RMSNorm(a) * gamma @ b, the
+    norm computed by the matmul's blocks for one row, by rms_norm first for more (NORMED_ROWS; the same bits either
+    way). norm_after = (gamma [N] float32, eps, h [R, N]) with accumulate: also h = RMSNorm(out) * gamma, the next
+    projection's input, by the epilogue of the rows summed in tiles (add_norm_epilogue: the add and the norm by one
+    block per row, the row kept in registers between them), by rms_norm for the others (the same bits)."""
     (R, K), (K2, N) = a.shape, b.shape
     if R < 1:
         raise ValueError(f"matmul_narrow: a has {R} rows")
