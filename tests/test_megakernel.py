@@ -19,7 +19,7 @@ from course_lib.megakernel import (
     random_order,
     simulate,
 )
-from course_lib.megakernel.program import ancestors
+from course_lib.megakernel.program import ancestors, phases
 from course_lib.model.config import LLAMA_32_1B, SMOLLM2_135M
 
 CAPACITY = 64
@@ -37,6 +37,22 @@ def test_dependencies_complete_on_real_shapes(config):
     per_layer = config.n_heads + 2 * config.n_kv_heads + config.n_heads + 2 * -(-config.d_model // 64) \
         + -(-config.d_ff // 64)  # qkv heads, attention by query head, o_proj, down, gate_up slices
     assert len(program) == 1 + config.n_layers * per_layer + -(-config.vocab_size // 4096) + 1
+
+
+@pytest.mark.parametrize("config", [SMOLLM2_135M, LLAMA_32_1B], ids=["SmolLM2-135M", "Llama-3.2-1B"])
+def test_phases_cut_the_step_where_a_grid_barrier_goes(config):
+    """The grid-barrier version's phases: five a layer, then logits and sample after embed; every instruction waits
+    only for earlier phases, so that a barrier between consecutive phases orders every dependency."""
+    program = build_program(config)
+    phase = phases(program)
+    assert phase[-1] + 1 == 1 + 5 * config.n_layers + 2 and phase == sorted(phase)
+    assert all(phase[d] < phase[i] for i, ins in enumerate(program) for d in ins.deps)
+    merged = list(program)  # attention heads that waited for one another could not be split by a barrier
+    merged[1 + config.n_heads + 2 * config.n_kv_heads + 1] = type(program[0])(
+        **{**program[1 + config.n_heads + 2 * config.n_kv_heads + 1].__dict__,
+           "deps": (1 + config.n_heads + 2 * config.n_kv_heads,)})
+    with pytest.raises(ValueError, match="its own phase"):
+        phases(merged)
 
 
 def test_every_dependency_is_needed(tiny):

@@ -81,6 +81,21 @@ def test_steps_split_across_launches_give_the_same_tokens(tiny):
     assert many.epoch == 1 + 2 and many.prefill([5]) == tokens[0]  # a new sequence reuses the counters
 
 
+def test_grid_barrier_version_gives_the_same_tokens(tiny):
+    """sync="barrier": a grid barrier between consecutive phases instead of the counters, the same tokens. In the
+    simulator one block runs (it checks the barriers' counting: a target one too high never ends; the waiting between
+    blocks runs on the GPU), here with the counters cleared before every launch after the first, as before int32
+    would overflow."""
+    counted = Megakernel(tiny, 32, weights="bf16")
+    tokens = [counted.prefill([5])] + counted.decode(2)
+    barrier = Megakernel(tiny, 32, weights="bf16", sync="barrier")
+    barrier.per_step = 2**30  # each launch after the first would pass 2**31: the counters restart from 0
+    assert [barrier.prefill([5])] + barrier.decode(1) + barrier.decode(1) == tokens
+    assert barrier.epoch == 1
+    with pytest.raises(ValueError, match="sync must be"):
+        Megakernel(tiny, 32, sync="fence")
+
+
 def test_shapes_the_megakernel_cannot_run_are_refused(tiny):
     wide = dataclasses.replace(SMOLLM2_135M, d_model=9 * 128)  # head_dim 128: more than a matmul pass's 64 columns
     with pytest.raises(ValueError, match="head_dim = 128"):

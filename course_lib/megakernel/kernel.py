@@ -19,6 +19,12 @@ computed), then each step embeds the token the previous one chose. No block wait
 later in (step, program order), so the blocks cannot deadlock as long as they all run at once (one per SM). In
 the simulator the blocks run one after another: the kernel runs there with one block, whose queue is the program.
 
+The grid-barrier version (`barriers` > 0, the number of phases of `program.phases`) ignores the dependency lists: a
+block passes every grid barrier between the phases before an instruction's (thread 0 adds 1 to the barrier counter,
+the last of `counters`, then waits until every block has), and the barriers left at the end of a step. An
+instruction then waits for the whole phase before it, and every block, busy or not, for every barrier: what the
+counters save is measured against it.
+
 Every matmul instruction starts by loading what depends on no other instruction (its first weights, its norm's
 weights, its bias and RoPE angles) before it waits: they arrive while the block waits, and what is left once the
 inputs are ready is a short chain: the activation row into shared memory, the FMAs, the reduction. A team of lanes
@@ -84,6 +90,17 @@ else:
             return builder.call(asm, [])
 
         return types.int64(), codegen
+
+
+@cuda.jit(device=True)
+def pass_barrier(counters, target):
+    """Thread 0 arrives at a grid barrier (the last counter + 1) and waits until the counter reaches target (every
+    block arrived); the block's other threads wait for it at the block barrier after the waits."""
+    if cuda.threadIdx.x == 0:
+        at = counters.shape[0] - 1
+        cuda.atomic.add(counters, at, 1)
+        while cuda.atomic.add(counters, at, 0) < target:
+            cuda.nanosleep(POLL_NS)
 
 
 # ---- the block's work on a slice of a matmul: fetch (before waiting), accumulate, reduce ----
@@ -419,13 +436,15 @@ def _make_megakernel(load8):
     op_embed, fetch, op_qkv, op_attention, op_project_add, op_gate_up, op_logits = _ops_for(load8)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
-    def megakernel(ops, waits_start, waits, counter_of, sizes, queue_start, queue, counters, epoch0, feed, tokens_out,
-                   token, position0,
+    def megakernel(ops, waits_start, waits, counter_of, sizes, queue_start, queue, phase, barriers, counters, epoch0,
+                   feed, tokens_out, token, position0,
                    temperature_top_p, top_k_seed, eps, cos, sin, embed, attn_norm, w_qkv, b_qkv, wo, mlp_norm, w_gate,
                    w_up, w_down, final_norm, head, x, q, attn, act, logits, k_cache, v_cache, scores, weights, stamps):
         """len(feed) decode steps (see the module's docstring). ops [n, 4], waits_start, waits, counter_of, sizes,
-        queue_start, queue: the program, its counters and its schedule (schedule.encode, schedule.counter_tables);
-        counters int32 [G]: how many instructions of each group are done, over all steps; feed int32 [steps]: the
+        queue_start, queue, phase: the program, its counters and its schedule (schedule.encode,
+        schedule.counter_tables); barriers: 0 (counters), or the number of phases (the grid-barrier version);
+        counters int32 [G + 1]: how many instructions of each group are done, over all steps, then the barriers
+        passed by all the blocks together; feed int32 [steps]: the
         token of each step, or < 0 for the one the previous step chose; tokens_out int32 [steps]: the token each step
         chose; token int32 [1]: the token chosen last; position0: the position of step 0 (step t is at
         position0 + t). Weights stacked by layer, matrices seen as uint32 words: w_qkv [L, d, (H + 2 Hkv) hd],
@@ -439,22 +458,25 @@ def _make_megakernel(load8):
         yh = cuda.shared.array(PASS_COLS, dtype=float32)
         y2 = cuda.shared.array(PASS_COLS, dtype=float32)
         scratch = cuda.shared.array(32, dtype=float32)
-        mine = cuda.shared.array((MAX_QUEUE, 7), dtype=int32)  # this block's instructions, read once
+        mine = cuda.shared.array((MAX_QUEUE, 8), dtype=int32)  # this block's instructions, read once
         tid, b = cuda.threadIdx.x, cuda.blockIdx.x
         first, count = queue_start[b], queue_start[b + 1] - queue_start[b]
         for j in range(tid, count, cuda.blockDim.x):
             i = queue[first + j]
             mine[j, 0], mine[j, 1], mine[j, 2], mine[j, 3] = i, ops[i, 0], ops[i, 1], ops[i, 2]
-            mine[j, 4], mine[j, 5], mine[j, 6] = ops[i, 3], waits_start[i], waits_start[i + 1]
+            mine[j, 4], mine[j, 5], mine[j, 6], mine[j, 7] = ops[i, 3], waits_start[i], waits_start[i + 1], phase[i]
         cuda.syncthreads()
         sample_counter = counter_of[ops.shape[0] - 1]  # the last instruction: sample
         steps = feed.shape[0]
         buf = cuda.local.array((PREFETCH, 8), dtype=float32)  # what `fetch` loads before an instruction waits
         gamma = cuda.local.array(ROW_LOADS, dtype=float32)
         rope = cuda.shared.array((4, ROPE_PAIRS), dtype=float32)
+        blocks = cuda.gridDim.x
         for t in range(steps):
             epoch = epoch0 + t + 1
             p = position0 + t
+            passed = 0  # grid barriers of this step passed (the barrier version)
+            before = blocks * (epoch - 1) * barriers  # the barrier counter when the step starts
             fed_next = t + 1 < steps and feed[t + 1] >= 0  # the next token is known: no logits needed
             for j in range(count):
                 i, op, layer, c0, c1 = mine[j, 0], mine[j, 1], mine[j, 2], mine[j, 3], mine[j, 4]
@@ -463,11 +485,15 @@ def _make_megakernel(load8):
                 if op != EMBED and op != ATTENTION and op != SAMPLE and not (op == LOGITS and fed_next):
                     fetch(op, layer, c0, p, x, q, act, logits, b_qkv, cos, sin, attn_norm, mlp_norm, final_norm, w_qkv,
                           wo, w_gate, w_up, w_down, head, buf, gamma, rope)
+                if barriers > 0:
+                    while passed < mine[j, 7]:
+                        passed += 1
+                        pass_barrier(counters, before + blocks * passed)
                 for w in range(mine[j, 5] + tid, mine[j, 6], cuda.blockDim.x):  # a thread per group waited for
                     c = waits[w]
                     while cuda.atomic.add(counters, c, 0) < sizes[c] * epoch:
                         cuda.nanosleep(POLL_NS)
-                if op == EMBED and tid == 0:  # the previous step is over
+                if op == EMBED and tid == 0 and barriers == 0:  # the previous step is over
                     while cuda.atomic.add(counters, sample_counter, 0) < epoch - 1:
                         cuda.nanosleep(POLL_NS)
                 cuda.threadfence()
@@ -504,6 +530,9 @@ def _make_megakernel(load8):
                 if tid == 0:
                     cuda.atomic.add(counters, counter_of[i], 1)
                     stamps[i, 2] = globaltimer()
+            while passed < barriers:  # the step's last barriers: the next step starts after all of this one
+                passed += 1
+                pass_barrier(counters, before + blocks * passed)
 
     return megakernel
 

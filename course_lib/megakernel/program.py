@@ -104,6 +104,22 @@ def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -
     return program
 
 
+def phases(program: list[Instruction]) -> list[int]:
+    """The phase of each instruction: runs of consecutive instructions of one op and layer (a layer's qkv heads, its
+    attention heads, ...) are phases 0, 1, 2, ... in program order. No instruction waits for one of its own phase
+    (raises otherwise): a grid barrier between consecutive phases orders everything the dependencies order."""
+    phase, key = [], None
+    for i, ins in enumerate(program):
+        if (ins.op, ins.layer) != key:
+            key = ins.op, ins.layer
+            phase.append(phase[-1] + 1 if phase else 0)
+        else:
+            phase.append(phase[-1])
+        if any(phase[d] == phase[i] for d in ins.deps):
+            raise ValueError(f"instruction {i} ({ins}) waits for one of its own phase: a barrier cannot order them")
+    return phase
+
+
 def ancestors(program: list[Instruction]) -> list[int]:
     """For each instruction, the set of instructions it waits for, directly or not, as a bit mask."""
     masks = []

@@ -22,6 +22,7 @@ from .kernel import MAX_K, MAX_QUEUE, PASS_COLS, SLICE_COLS, megakernel_for
 from .program import build_program
 from .schedule import assign, cost, counter_tables, encode
 
+SYNCS = ("counters", "barrier")
 BANDWIDTH = 3.7e12  # bytes/s the scheduler's cost model assumes (the H200's measured read bandwidth, about)
 
 
@@ -52,7 +53,7 @@ class MegaState:
     v_cache: object
     scores: object
     weights: object  # the sampler's scratch
-    counters: object  # instructions done per group, over all steps
+    counters: object  # instructions done per group, over all steps; then the grid barriers passed
     stamps: object  # int64 [n, 3]: clock when each instruction of the last step was waited for, started, done
 
     @classmethod
@@ -63,7 +64,7 @@ class MegaState:
         return cls(zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
                    zeros(c.n_heads * c.head_dim), zeros(c.d_ff), zeros(c.vocab_size), zeros(cache), zeros(cache),
                    zeros((c.n_heads, capacity)), zeros(c.vocab_size, np.uint64),
-                   zeros(n_counters, np.int32), zeros((n_instructions, 3), np.int64))
+                   zeros(n_counters + 1, np.int32), zeros((n_instructions, 3), np.int64))
 
 
 def stacked_weights(model: Model, dtype: str) -> dict:
@@ -101,12 +102,16 @@ def stacked_weights(model: Model, dtype: str) -> dict:
 
 class Megakernel:
     """A model ready to decode by the megakernel: one launch for the prompt, one per `decode` call. blocks: the
-    persistent grid (default: one per SM; one in the simulator, which runs blocks one after another)."""
+    persistent grid (default: one per SM; one in the simulator, which runs blocks one after another). sync: how an
+    instruction waits for what it reads, "counters" (the instructions it depends on, counted done) or "barrier" (a
+    grid barrier between consecutive phases, every block passing every one)."""
 
     def __init__(self, model: Model, capacity: int, weights: str = "bf16", blocks: int | None = None,
-                 cols: int = SLICE_COLS, vocab_cols: int = 384):
+                 cols: int = SLICE_COLS, vocab_cols: int = 384, sync: str = "counters"):
         c = self.config = model.config
         check_shapes(c)
+        if sync not in SYNCS:
+            raise ValueError(f"sync must be one of {', '.join(SYNCS)}, got {sync!r}")
         self.model, self.capacity = model, capacity
         self.blocks = blocks or (1 if SIMULATOR else sm_count())
         self.program = build_program(c, cols=cols, vocab_cols=vocab_cols)
@@ -118,6 +123,9 @@ class Megakernel:
             raise ValueError(f"a block's queue of {longest} instructions is longer than {MAX_QUEUE}: use more "
                              "blocks or wider slices")
         self.tables = {k: cuda.to_device(v) for k, v in tables.items()}
+        self.barriers = int(tables["phase"][-1]) + 1 if sync == "barrier" else 0
+        # what the counters gain per step at most: reset before a launch would take them past int32
+        self.per_step = self.blocks * self.barriers + int(tables["sizes"].max())
         self.w = stacked_weights(model, weights)
         self.kernel = megakernel_for(np.uint16 if weights == "bf16" else np.float32)
         cos, sin = reference.rope_tables(c, capacity)
@@ -138,19 +146,23 @@ class Megakernel:
         if self.position + steps > self.capacity:
             raise ValueError(f"{self.position} + {steps} positions exceed the megakernel's capacity of "
                              f"{self.capacity}")
-        out = self._run(self.tables, self.state.counters, self.epoch, self.blocks, feed)
+        if (self.epoch + steps) * self.per_step >= 2**31:
+            self.state.counters.copy_to_device(np.zeros(self.state.counters.shape, np.int32), stream=self.stream)
+            self.epoch = 0
+        out = self._run(self.tables, self.state.counters, self.epoch, self.blocks, feed, self.barriers)
         self.epoch += steps
         self.position += steps
         return out
 
-    def _run(self, t: dict, counters, epoch: int, blocks: int, feed):
+    def _run(self, t: dict, counters, epoch: int, blocks: int, feed, barriers: int = 0):
         """The launch of the program and schedule `t` (device arrays) on `blocks` blocks, from the current position
-        (not advanced here); -> the device array of the tokens the steps choose."""
+        (not advanced here), synchronized by counters (barriers 0) or by that many grid barriers a step; -> the
+        device array of the tokens the steps choose."""
         s, w = self.state, self.w
         out = cuda.device_array(len(feed), np.int32, stream=self.stream)
         compiled_once(self.kernel)[blocks, THREADS, self.stream](
             t["ops"], t["waits_start"], t["waits"], t["counter_of"], t["sizes"], t["queue_start"], t["queue"],
-            counters, np.int32(epoch),
+            t["phase"], np.int32(barriers), counters, np.int32(epoch),
             cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token, np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
             w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],
@@ -164,7 +176,7 @@ class Megakernel:
         prefix = self.program[:n]
         tables = encode(prefix, [list(range(n))]) | counter_tables(prefix, self.config)
         tables = {k: cuda.to_device(v, stream=self.stream) for k, v in tables.items()}
-        counters = cuda.to_device(np.zeros(len(tables["sizes"]), np.int32), stream=self.stream)
+        counters = cuda.to_device(np.zeros(len(tables["sizes"]) + 1, np.int32), stream=self.stream)
         self._run(tables, counters, 0, 1, [token])
         self.stream.synchronize()
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.config import ModelConfig
-from .program import Instruction
+from .program import Instruction, phases
 
 OPCODES = {"embed": 0, "qkv": 1, "attention": 2, "o_proj": 3, "gate_up": 4, "down": 5, "logits": 6, "sample": 7}
 
@@ -104,14 +104,16 @@ def encode(program: list[Instruction], queues: list[list[int]]) -> dict[str, np.
     """The arrays a persistent kernel reads, all int32:
     ops [n, 4]: (opcode, layer, start, stop) of each instruction; deps_start [n + 1], deps [total]: instruction
     i waits for deps[deps_start[i]:deps_start[i + 1]]; queue_start [blocks + 1], queue [n]: block b runs
-    queue[queue_start[b]:queue_start[b + 1]], in that order."""
+    queue[queue_start[b]:queue_start[b + 1]], in that order; phase [n]: each instruction's phase (program.phases:
+    what the grid-barrier version waits for)."""
     ops = np.array([(OPCODES[i.op], i.layer, i.start, i.stop) for i in program], np.int32)
     deps_start = np.cumsum([0] + [len(i.deps) for i in program]).astype(np.int32)
     deps = np.array([d for i in program for d in i.deps], np.int32)
     queue_start = np.cumsum([0] + [len(q) for q in queues]).astype(np.int32)
     queue = np.array([i for q in queues for i in q], np.int32)
     check_queues(program, queues)
-    return {"ops": ops, "deps_start": deps_start, "deps": deps, "queue_start": queue_start, "queue": queue}
+    return {"ops": ops, "deps_start": deps_start, "deps": deps, "queue_start": queue_start, "queue": queue,
+            "phase": np.array(phases(program), np.int32)}
 
 
 def producer_group(ins: Instruction, config: ModelConfig) -> tuple:
