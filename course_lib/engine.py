@@ -119,7 +119,7 @@ class Engine:
 
         t0 = time.perf_counter()
         if self.recipe is not None and self.recipe.replay == "megakernel":
-            self._megakernel_loop(ids, sampling, max_new_tokens, take)
+            self._megakernel_loop(ids, sampling, max_new_tokens, take, stops)
         elif self.plan is None:
             self._host_loop(ids, sampling, take)
         else:
@@ -138,15 +138,15 @@ class Engine:
             token = sample(b.decode(token), *sampling, position=len(ids) + n)
             n += 1
 
-    def _megakernel_loop(self, ids, sampling, max_new_tokens, take):
-        """The prompt in one launch, then launches of steps_per_launch tokens (fewer for the last), read after each
-        (a stop token is seen at the end of its launch; the tokens computed after it are dropped)."""
+    def _megakernel_loop(self, ids, sampling, max_new_tokens, take, stops):
+        """The prompt in one launch, then launches of steps_per_launch tokens (fewer for the last), read after each;
+        a launch ends after the step that chooses one of `stops`."""
         mk, n = self.backend, 1
         if not take(mk.prefill(ids, sampling)):
             return
         while True:
             steps = min(self.recipe.steps_per_launch, max_new_tokens - n)
-            for token in mk.decode(steps):
+            for token in mk.decode(steps, stops):
                 if not take(token):
                     return
             n += steps

@@ -12,6 +12,7 @@ from checks import as_computed, logit_tolerance
 from course_lib import Engine, generate, reference
 from course_lib.kernels import SIMULATOR
 from course_lib.megakernel.runner import Megakernel, check_shapes
+from course_lib.megakernel.schedule import counter_tables
 from course_lib.model.config import SMOLLM2_135M
 
 N_NEW = 4 if SIMULATOR else 32
@@ -79,6 +80,21 @@ def test_steps_split_across_launches_give_the_same_tokens(tiny):
     many = Megakernel(tiny, 32, weights="bf16")
     assert [many.prefill([5])] + many.decode(1) + many.decode(1) == tokens
     assert many.epoch == 1 + 2 and many.prefill([5]) == tokens[0]  # a new sequence reuses the counters
+
+
+def test_a_launch_ends_after_an_end_token(tiny):
+    """decode(steps, stops): the kernel ends after the step that chose an end token (its counters count only the
+    steps run), and the next launch goes on from there as if it had been asked for those steps alone."""
+    sampling = (2.0, None, None, 7)  # seeded sampling, hot: the tiny model's greedy text repeats one token
+    tokens = (lambda mk: [mk.prefill([5], sampling)] + mk.decode(5))(Megakernel(tiny, 32, weights="bf16"))
+    k = next(k for k in range(2, 5) if tokens[k] not in tokens[1:k])  # a token first chosen by decode step k
+    mk = Megakernel(tiny, 32, weights="bf16")
+    mk.prefill([5], sampling)
+    assert mk.decode(4, stops={tokens[k], 10**6}) == tokens[1:k + 1]
+    sample = counter_tables(mk.program, tiny.config)["counter_of"][-1]  # the sample instruction's counter
+    ran = int(mk.state.counters.copy_to_host()[sample])  # steps whose sample ran
+    assert mk.epoch == mk.position == 1 + k and ran == 1 + k  # the prompt's step, then k steps of the 4
+    assert mk.decode(5 - k) == tokens[k + 1:]
 
 
 def test_grid_barrier_version_gives_the_same_tokens(tiny):

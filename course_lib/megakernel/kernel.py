@@ -437,7 +437,7 @@ def _make_megakernel(load8):
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
     def megakernel(ops, waits_start, waits, counter_of, sizes, queue_start, queue, phase, barriers, counters, epoch0,
-                   feed, tokens_out, token, position0,
+                   feed, tokens_out, token, stops, position0,
                    temperature_top_p, top_k_seed, eps, cos, sin, embed, attn_norm, w_qkv, b_qkv, wo, mlp_norm, w_gate,
                    w_up, w_down, final_norm, head, x, q, attn, act, logits, k_cache, v_cache, scores, weights, stamps):
         """len(feed) decode steps (see the module's docstring). ops [n, 4], waits_start, waits, counter_of, sizes,
@@ -446,8 +446,9 @@ def _make_megakernel(load8):
         counters int32 [G + 1]: how many instructions of each group are done, over all steps, then the barriers
         passed by all the blocks together; feed int32 [steps]: the
         token of each step, or < 0 for the one the previous step chose; tokens_out int32 [steps]: the token each step
-        chose; token int32 [1]: the token chosen last; position0: the position of step 0 (step t is at
-        position0 + t). Weights stacked by layer, matrices seen as uint32 words: w_qkv [L, d, (H + 2 Hkv) hd],
+        chose; token int32 [1]: the token chosen last; stops int32 [S]: end tokens (the launch ends after the
+        step that chose one: every block reads it before its next step); position0: the position of step 0 (step t
+        is at position0 + t). Weights stacked by layer, matrices seen as uint32 words: w_qkv [L, d, (H + 2 Hkv) hd],
         wo [L, H hd, d], w_gate, w_up [L, d, d_ff], w_down [L, d_ff, d], embed [V, d], head [d, V rounded up to
         8]; b_qkv [L, (H + 2 Hkv) hd] and the norms float32 (flat). x [1, d], q, attn [H hd], act [d_ff], logits
         [V]; k_cache, v_cache [L, capacity, Hkv, hd]; scores [H, capacity]; weights uint64 [V] (the
@@ -472,9 +473,22 @@ def _make_megakernel(load8):
         gamma = cuda.local.array(ROW_LOADS, dtype=float32)
         rope = cuda.shared.array((4, ROPE_PAIRS), dtype=float32)
         blocks = cuda.gridDim.x
+        ended = cuda.shared.array(1, dtype=int32)
         for t in range(steps):
             epoch = epoch0 + t + 1
             p = position0 + t
+            if t > 0 and feed[t] < 0 and stops.shape[0] > 0:  # did step t - 1 choose an end token?
+                if tid == 0:
+                    while cuda.atomic.add(counters, sample_counter, 0) < epoch - 1:
+                        cuda.nanosleep(POLL_NS)
+                    chosen = cuda.atomic.add(token, 0, 0)  # from the L2 cache: what the sampling block wrote
+                    ended[0] = 0
+                    for s in range(stops.shape[0]):
+                        if chosen == stops[s]:
+                            ended[0] = 1
+                cuda.syncthreads()
+                if ended[0] == 1:
+                    break
             passed = 0  # grid barriers of this step passed (the barrier version)
             before = blocks * (epoch - 1) * barriers  # the barrier counter when the step starts
             fed_next = t + 1 < steps and feed[t + 1] >= 0  # the next token is known: no logits needed

@@ -135,13 +135,21 @@ class Megakernel:
         self.epoch = 0  # steps run: the counters hold sizes x epoch
         self.settings = [cuda.to_device(a) for a in (np.zeros(2), np.zeros(2, np.int64))]
         self.position = 0  # positions of the cache filled
+        self._stops = {frozenset(): cuda.to_device(np.zeros(0, np.int32))}  # end-token sets, on the device
 
-    def _launch(self, feed: np.ndarray) -> np.ndarray:
-        """Run len(feed) steps; -> the token each chose (int32 [steps])."""
-        return self._queue(feed).copy_to_host(stream=self.stream)
+    def _launch(self, feed: np.ndarray, stops: frozenset = frozenset()) -> np.ndarray:
+        """Run len(feed) steps, or fewer: the launch ends after a step that chose one of `stops`; -> the token each
+        step chose (int32 [steps run]). The epoch and the position advance by the steps run."""
+        tokens = self._queue(feed, stops).copy_to_host(stream=self.stream)
+        ended = np.flatnonzero(np.isin(tokens, list(stops)) & (np.asarray(feed) < 0))
+        if len(ended):  # the steps after the end token did not run
+            left = len(feed) - int(ended[0] + 1)
+            self.epoch, self.position, tokens = self.epoch - left, self.position - left, tokens[:ended[0] + 1]
+        return tokens
 
-    def _queue(self, feed: np.ndarray):
-        """Queue the launch of len(feed) steps on the stream; -> the device array of the tokens they choose."""
+    def _queue(self, feed: np.ndarray, stops: frozenset = frozenset()):
+        """Queue the launch of len(feed) steps on the stream (ending after a step that chooses one of `stops`); ->
+        the device array of the tokens they choose."""
         steps = len(feed)
         if self.position + steps > self.capacity:
             raise ValueError(f"{self.position} + {steps} positions exceed the megakernel's capacity of "
@@ -149,12 +157,15 @@ class Megakernel:
         if (self.epoch + steps) * self.per_step >= 2**31:
             self.state.counters.copy_to_device(np.zeros(self.state.counters.shape, np.int32), stream=self.stream)
             self.epoch = 0
-        out = self._run(self.tables, self.state.counters, self.epoch, self.blocks, feed, self.barriers)
+        if stops not in self._stops:
+            self._stops[stops] = cuda.to_device(np.array(sorted(stops), np.int32))
+        out = self._run(self.tables, self.state.counters, self.epoch, self.blocks, feed, self.barriers,
+                        self._stops[stops])
         self.epoch += steps
         self.position += steps
         return out
 
-    def _run(self, t: dict, counters, epoch: int, blocks: int, feed, barriers: int = 0):
+    def _run(self, t: dict, counters, epoch: int, blocks: int, feed, barriers: int = 0, stops=None):
         """The launch of the program and schedule `t` (device arrays) on `blocks` blocks, from the current position
         (not advanced here), synchronized by counters (barriers 0) or by that many grid barriers a step; -> the
         device array of the tokens the steps choose."""
@@ -163,7 +174,8 @@ class Megakernel:
         compiled_once(self.kernel)[blocks, THREADS, self.stream](
             t["ops"], t["waits_start"], t["waits"], t["counter_of"], t["sizes"], t["queue_start"], t["queue"],
             t["phase"], np.int32(barriers), counters, np.int32(epoch),
-            cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token, np.int32(self.position),
+            cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token,
+            self._stops[frozenset()] if stops is None else stops, np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
             w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],
             s.x, s.q, s.attn, s.act, s.logits, s.k_cache, s.v_cache, s.scores, s.weights, s.stamps)
@@ -190,9 +202,10 @@ class Megakernel:
         self.position = 0
         return int(self._launch(np.asarray(ids, np.int32))[-1])
 
-    def decode(self, steps: int) -> list[int]:
-        """The next `steps` tokens, each fed back by the GPU (one launch)."""
-        return [int(t) for t in self._launch(np.full(steps, -1, np.int32))]
+    def decode(self, steps: int, stops: frozenset = frozenset()) -> list[int]:
+        """The next `steps` tokens, each fed back by the GPU (one launch), or up to the first of `stops` (the end
+        tokens: the kernel ends after the step that chose one, every block reading it)."""
+        return [int(t) for t in self._launch(np.full(steps, -1, np.int32), frozenset(stops))]
 
     def timeline(self) -> dict:
         """The last step's instructions on the GPU clock: {"op": [n] names, "block": [n] the block that ran each,
