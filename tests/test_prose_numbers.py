@@ -157,6 +157,11 @@ def test_one_pass_prose_quotes_its_runs():
                f"over 200 tokens, {r['row_dot+1k']['tokens_per_s']:,.0f}"]
     for figure in figures:
         assert figure in text, f"notebook 05 does not quote {figure!r}"
+    row = next(line.split() for line in stored_text("05", 'ROW_DOT_DATA = "').splitlines()
+               if line.startswith("row_dot "))  # recipe, notebook "05, 06", tok/s, ms/tok, GPU ms, ...
+    shown = {"row_dot": (row[3], row[5])}
+    this_run = f"{float(shown['row_dot'][0]):,.0f} tokens/s and {float(shown['row_dot'][1]):.3f} ms of GPU time"
+    assert this_run in text, f"notebook 05 does not quote its own bench: {this_run!r}"
 
 
 def test_readme_quotes_the_default_recipes_run():
@@ -538,7 +543,9 @@ def test_swiglu_prose_quotes_the_recorded_run():
                    f"missed at 512 ({gain[512]:.2f}×): there the fused kernel would need "
                    f"{small[512]['narrow'] / 1.5:.0f} µs instead of {small[512]['narrow fused']:.0f}"):
         assert figure in text, f"notebook 05 does not quote {figure!r}"
-    assert 1.5 < gain[1] and gain[16] < 1.5 and gain[512] < 1.5
+    assert 1.5 < gain[1] and gain[512] < 1.5
+    verdict = "met by a hair at 16" if gain[16] >= 1.5 else "missed by a hair at 16"
+    assert f"{verdict} ({gain[16]:.2f}×" in text, f"notebook 05 does not say the 16-row target is {verdict}"
     row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| 05 |"))
     assert (f"{gain[1]:.2f}× at M = 1, {gain[16]:.2f}× at 16 and {gain[512]:.2f}× at 512 on SmolLM2's shapes"
             in " ".join(row.split()))
@@ -589,3 +596,18 @@ def test_flash_decoding_prose_quotes_its_run():
                    f"flash-decoding and its merge take {flash_ms:.2f} ms",
                    f"{1e3 / paged[1]:.0f} ms of wall time per token ({paged[1]:.1f} tokens/s)"):
         assert figure in text, f"notebook 04 does not quote {figure!r}"
+
+
+def test_megakernel_sync_prose_quotes_its_run():
+    """Notebook 06: counters against a grid barrier, and the weights staged in shared memory
+    (data/megakernel_ab_h200.json)."""
+    runs = recorded("megakernel_ab_h200.json")["runs"]
+    mean = {(tag, sync): sum(runs[tag][sync]["gpu_ms"]) / 3 for tag in runs for sync in ("counters", "barrier")}
+    saved = mean["main", "barrier"] - mean["main", "counters"]
+    main, staged = runs["main"]["counters"]["run_us"], runs["staged"]["counters"]["run_us"]
+    text = prose("06", "The counters save about")
+    for figure in (f"save about {saved:.2f} ms a step, {100 * saved / mean['main', 'barrier']:.0f}%",
+                   f"(a qkv head {main['qkv']:.1f} → {staged['qkv']:.1f} µs, a down slice {main['down']:.1f} → "
+                   f"{staged['down']:.1f})", f"the step slower ({mean['staged', 'counters']:.2f} ms)"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+    assert mean["main", "counters"] < min(mean["main", "barrier"], mean["staged", "counters"])
