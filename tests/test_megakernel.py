@@ -2,6 +2,8 @@
 (proved from the declared reads and writes, and every single dependency is needed), the twin computes the
 reference's logits and tokens in any order the dependencies allow, and the diff tool names an injected fault."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from checks import logit_tolerance
@@ -47,10 +49,9 @@ def test_phases_cut_the_step_where_a_grid_barrier_goes(config):
     phase = phases(program)
     assert phase[-1] + 1 == 1 + 5 * config.n_layers + 2 and phase == sorted(phase)
     assert all(phase[d] < phase[i] for i, ins in enumerate(program) for d in ins.deps)
+    first = 1 + config.n_heads + 2 * config.n_kv_heads  # layer 0's first attention head (after embed and qkv)
     merged = list(program)  # attention heads that waited for one another could not be split by a barrier
-    merged[1 + config.n_heads + 2 * config.n_kv_heads + 1] = type(program[0])(
-        **{**program[1 + config.n_heads + 2 * config.n_kv_heads + 1].__dict__,
-           "deps": (1 + config.n_heads + 2 * config.n_kv_heads,)})
+    merged[first + 1] = dataclasses.replace(program[first + 1], deps=(first,))
     with pytest.raises(ValueError, match="its own phase"):
         phases(merged)
 

@@ -93,14 +93,19 @@ else:
 
 
 @cuda.jit(device=True)
-def pass_barrier(counters, target):
-    """Thread 0 arrives at a grid barrier (the last counter + 1) and waits until the counter reaches target (every
-    block arrived); the block's other threads wait for it at the block barrier after the waits."""
-    if cuda.threadIdx.x == 0:
-        at = counters.shape[0] - 1
-        cuda.atomic.add(counters, at, 1)
-        while cuda.atomic.add(counters, at, 0) < target:
-            cuda.nanosleep(POLL_NS)
+def pass_barriers(counters, passed, upto, before):
+    """Pass the grid barriers passed + 1 .. upto of a step, one after another: thread 0 arrives at each (the last
+    counter + 1) and waits until every block has (the counter at before + blocks x the barrier's number; before: the
+    counter when the step started); the block's other threads wait for it at the block barrier that follows. ->
+    the barriers passed, max(passed, upto)."""
+    blocks, at = cuda.gridDim.x, counters.shape[0] - 1
+    while passed < upto:
+        passed += 1
+        if cuda.threadIdx.x == 0:
+            cuda.atomic.add(counters, at, 1)
+            while cuda.atomic.add(counters, at, 0) < before + blocks * passed:
+                cuda.nanosleep(POLL_NS)
+    return passed
 
 
 # ---- the block's work on a slice of a matmul: fetch (before waiting), accumulate, reduce ----
@@ -500,9 +505,7 @@ def _make_megakernel(load8):
                     fetch(op, layer, c0, p, x, q, act, logits, b_qkv, cos, sin, attn_norm, mlp_norm, final_norm, w_qkv,
                           wo, w_gate, w_up, w_down, head, buf, gamma, rope)
                 if barriers > 0:
-                    while passed < mine[j, 7]:
-                        passed += 1
-                        pass_barrier(counters, before + blocks * passed)
+                    passed = pass_barriers(counters, passed, mine[j, 7], before)
                 for w in range(mine[j, 5] + tid, mine[j, 6], cuda.blockDim.x):  # a thread per group waited for
                     c = waits[w]
                     while cuda.atomic.add(counters, c, 0) < sizes[c] * epoch:
@@ -544,9 +547,7 @@ def _make_megakernel(load8):
                 if tid == 0:
                     cuda.atomic.add(counters, counter_of[i], 1)
                     stamps[i, 2] = globaltimer()
-            while passed < barriers:  # the step's last barriers: the next step starts after all of this one
-                passed += 1
-                pass_barrier(counters, before + blocks * passed)
+            pass_barriers(counters, passed, barriers, before)  # the step's last: the next starts after all of it
 
     return megakernel
 

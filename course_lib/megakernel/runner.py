@@ -135,7 +135,7 @@ class Megakernel:
         self.epoch = 0  # steps run: the counters hold sizes x epoch
         self.settings = [cuda.to_device(a) for a in (np.zeros(2), np.zeros(2, np.int64))]
         self.position = 0  # positions of the cache filled
-        self._stops = {frozenset(): cuda.to_device(np.zeros(0, np.int32))}  # end-token sets, on the device
+        self._stops = {}  # end-token sets, on the device
 
     def _launch(self, feed: np.ndarray, stops: frozenset = frozenset()) -> np.ndarray:
         """Run len(feed) steps, or fewer: the launch ends after a step that chose one of `stops`; -> the token each
@@ -157,25 +157,24 @@ class Megakernel:
         if (self.epoch + steps) * self.per_step >= 2**31:
             self.state.counters.copy_to_device(np.zeros(self.state.counters.shape, np.int32), stream=self.stream)
             self.epoch = 0
-        if stops not in self._stops:
-            self._stops[stops] = cuda.to_device(np.array(sorted(stops), np.int32))
-        out = self._run(self.tables, self.state.counters, self.epoch, self.blocks, feed, self.barriers,
-                        self._stops[stops])
+        out = self._run(self.tables, self.state.counters, self.epoch, self.blocks, feed, self.barriers, stops)
         self.epoch += steps
         self.position += steps
         return out
 
-    def _run(self, t: dict, counters, epoch: int, blocks: int, feed, barriers: int = 0, stops=None):
+    def _run(self, t: dict, counters, epoch: int, blocks: int, feed, barriers: int = 0, stops: frozenset = frozenset()):
         """The launch of the program and schedule `t` (device arrays) on `blocks` blocks, from the current position
         (not advanced here), synchronized by counters (barriers 0) or by that many grid barriers a step; -> the
-        device array of the tokens the steps choose."""
+        device array of the tokens the steps choose. stops: end tokens (their device array made once per set)."""
         s, w = self.state, self.w
+        if stops not in self._stops:
+            self._stops[stops] = cuda.to_device(np.array(sorted(stops), np.int32))
         out = cuda.device_array(len(feed), np.int32, stream=self.stream)
         compiled_once(self.kernel)[blocks, THREADS, self.stream](
             t["ops"], t["waits_start"], t["waits"], t["counter_of"], t["sizes"], t["queue_start"], t["queue"],
             t["phase"], np.int32(barriers), counters, np.int32(epoch),
             cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token,
-            self._stops[frozenset()] if stops is None else stops, np.int32(self.position),
+            self._stops[stops], np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
             w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],
             s.x, s.q, s.attn, s.act, s.logits, s.k_cache, s.v_cache, s.scores, s.weights, s.stamps)
