@@ -141,6 +141,35 @@ def critical_path(program, seconds) -> float:
     return float(end.max())
 
 
+def replay_by_scanning(program, queues, seconds):
+    """simulate's rule, scanned the slow way: at each step every block's next instruction is examined, and of those
+    whose dependencies have all ended the earliest start (ties: the lowest block) runs. -> (end, idle)."""
+    end, free, idle, nxt = np.full(len(program), np.nan), np.zeros(len(queues)), np.zeros(len(queues)), \
+        [0] * len(queues)
+    for _ in range(len(program)):
+        start, b = min((max(free[b], max((end[d] for d in program[q[nxt[b]]].deps), default=0.0)), b)
+                       for b, q in enumerate(queues) if nxt[b] < len(q)
+                       and not np.isnan([end[d] for d in program[q[nxt[b]]].deps]).any())
+        i = queues[b][nxt[b]]
+        idle[b] += start - free[b]
+        end[i] = free[b] = start + seconds[i]
+        nxt[b] += 1
+    return end, idle
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 16])
+def test_simulate_replays_the_queues_by_the_scanning_rule(tiny, rng, blocks):
+    program = build_program(tiny.config, cols=16)
+    for seconds in (rng.random(len(program)), np.ones(len(program))):  # ones: many ties
+        owner = rng.integers(0, blocks, len(program))  # random queues, each in program order
+        for queues in ([np.flatnonzero(owner == b).tolist() for b in range(blocks)],
+                       assign(program, seconds, blocks).queues):
+            schedule = simulate(program, queues, seconds)
+            end, idle = replay_by_scanning(program, queues, seconds)
+            np.testing.assert_array_equal(schedule.end, end)
+            np.testing.assert_array_equal(schedule.idle, idle)
+
+
 @pytest.mark.parametrize("blocks", [1, 3, 16])
 def test_assignment_runs_every_instruction_once_in_dependency_order(tiny, blocks):
     program = build_program(tiny.config, cols=16)

@@ -14,6 +14,7 @@ time), and `encode` writes the queues and the dependency lists as int32 arrays.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,25 +69,49 @@ def check_queues(program: list[Instruction], queues: list[list[int]]) -> None:
 
 def simulate(program: list[Instruction], queues: list[list[int]], seconds: np.ndarray,
              check: bool = True) -> Schedule:
-    """Replay the queues with the estimated times: each block takes its next instruction when it is free and
-    when everything the instruction waits for has ended. check=False replays queues out of program order too
-    (to show that they can deadlock)."""
+    """Replay the queues with the estimated times: of the blocks whose next instruction has everything it waits
+    for ended, the one that can start first takes it (ties: the lowest block), when it is free and when those
+    instructions have ended. check=False replays queues out of program order too (to show that they can deadlock).
+
+    Event by event: an instruction counts the instructions it still waits for, and a block's next instruction
+    becomes a candidate (in a heap of (start, block)) once that count is zero, so each dependency is visited
+    twice, not once per block per instruction run (Llama-3.2-1B's step: 14k instructions, 2.3M dependencies)."""
     if check:
         check_queues(program, queues)
-    end = np.full(len(program), np.nan)
-    free, idle, nxt = np.zeros(len(queues)), np.zeros(len(queues)), [0] * len(queues)
-    for _ in range(len(program)):
-        ready = [(max(free[b], max((end[d] for d in program[q[nxt[b]]].deps), default=0.0)), b)
-                 for b, q in enumerate(queues) if nxt[b] < len(q)
-                 and all(not np.isnan(end[d]) for d in program[q[nxt[b]]].deps)]
-        if not ready:
+    n, blocks = len(program), len(queues)
+    end, seconds = [0.0] * n, [float(t) for t in seconds]
+    waiting = [len(ins.deps) for ins in program]  # dependencies not yet ended
+    dependents = [[] for _ in range(n)]
+    for i, ins in enumerate(program):
+        for d in ins.deps:
+            dependents[d].append(i)
+    block_of = {q[0]: b for b, q in enumerate(queues) if q}  # the instruction at the head of each block's queue
+    free, idle, nxt = [0.0] * blocks, np.zeros(blocks), [0] * blocks
+    heap = []
+
+    def offer(b):  # block b's next instruction, if everything it waits for has ended: a candidate
+        if nxt[b] < len(queues[b]) and waiting[i := queues[b][nxt[b]]] == 0:
+            heapq.heappush(heap, (max(free[b], max((end[d] for d in program[i].deps), default=0.0)), b))
+
+    for b in range(blocks):
+        offer(b)
+    for _ in range(n):
+        if not heap:
             raise ValueError("the queues deadlock: every block waits for an instruction that never runs")
-        start, b = min(ready)
+        start, b = heapq.heappop(heap)
         i = queues[b][nxt[b]]
         idle[b] += start - free[b]
         end[i] = free[b] = start + seconds[i]
+        del block_of[i]
         nxt[b] += 1
-    return Schedule(queues, end, idle)
+        if nxt[b] < len(queues[b]):
+            block_of[queues[b][nxt[b]]] = b
+            offer(b)
+        for j in dependents[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0 and j in block_of:
+                offer(block_of[j])
+    return Schedule(queues, np.array(end), idle)
 
 
 def assign(program: list[Instruction], seconds: np.ndarray, blocks: int) -> Schedule:
