@@ -85,16 +85,20 @@ def simulate(program: list[Instruction], queues: list[list[int]], seconds: np.nd
     for i, ins in enumerate(program):
         for d in ins.deps:
             dependents[d].append(i)
-    block_of = {q[0]: b for b, q in enumerate(queues) if q}  # the instruction at the head of each block's queue
+    owner = [-1] * n  # the block whose queue holds each instruction
+    for b, q in enumerate(queues):
+        for i in q:
+            owner[i] = b
     free, idle, nxt = [0.0] * blocks, np.zeros(blocks), [0] * blocks
     heap = []
 
-    def offer(b):  # block b's next instruction, if everything it waits for has ended: a candidate
-        if nxt[b] < len(queues[b]) and waiting[i := queues[b][nxt[b]]] == 0:
+    def offer(b, i):  # instruction i, if it is block b's next and everything it waits for has ended: a candidate
+        if nxt[b] < len(queues[b]) and queues[b][nxt[b]] == i and waiting[i] == 0:
             heapq.heappush(heap, (max(free[b], max((end[d] for d in program[i].deps), default=0.0)), b))
 
-    for b in range(blocks):
-        offer(b)
+    for b, q in enumerate(queues):
+        if q:
+            offer(b, q[0])
     for _ in range(n):
         if not heap:
             raise ValueError("the queues deadlock: every block waits for an instruction that never runs")
@@ -102,15 +106,13 @@ def simulate(program: list[Instruction], queues: list[list[int]], seconds: np.nd
         i = queues[b][nxt[b]]
         idle[b] += start - free[b]
         end[i] = free[b] = start + seconds[i]
-        del block_of[i]
         nxt[b] += 1
         if nxt[b] < len(queues[b]):
-            block_of[queues[b][nxt[b]]] = b
-            offer(b)
+            offer(b, queues[b][nxt[b]])
         for j in dependents[i]:
             waiting[j] -= 1
-            if waiting[j] == 0 and j in block_of:
-                offer(block_of[j])
+            if waiting[j] == 0 and owner[j] >= 0:
+                offer(owner[j], j)
     return Schedule(queues, np.array(end), idle)
 
 
