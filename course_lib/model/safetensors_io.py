@@ -23,8 +23,8 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 to the nearest bf16 (ties to even), returned as uint16 bit patterns."""
-    bits = np.array(x, dtype=np.float32, order="C").view(np.uint32)  # a copy, rounded in place (no temporaries
-    # of the whole array: a billion weights convert in seconds)
+    bits = np.array(x, dtype=np.float32, order="C").view(np.uint32)  # one copy, rounded in place: no other
+    # temporary as large as the array
     half = bits >> np.uint32(16)
     half &= np.uint32(1)  # the bit that breaks a tie to even
     half += np.uint32(0x7FFF)
