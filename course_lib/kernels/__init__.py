@@ -84,23 +84,56 @@ def pick(kernels: dict, w):
         raise TypeError(f"weights must be float32 or bf16 stored as uint16, got {w.dtype}") from None
 
 
+if SIMULATOR:
+    def gpu_fence():
+        """The simulator's threads share one coherent memory: there is nothing to order."""
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    def ptx_statement(ptx, emitted=lambda: True):
+        """An intrinsic of no arguments that emits one PTX statement (in the kernels compiled while emitted() is
+        true: nothing otherwise), never moved across memory accesses."""
+
+        def typer(typingctx):
+            def codegen(context, builder, signature, args):
+                if emitted():
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}", side_effect=True)
+                    builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return intrinsic(typer)
+
+    # gpu_fence(): the calling thread's memory operations before it are seen by the whole GPU before those after it
+    # (a release), and what other threads released before what it read is seen by its reads after it (an acquire).
+    # cuda.threadfence() is the stronger sequentially consistent fence (fence.sc.gpu: MEMBAR.SC.GPU in sm_90's SASS,
+    # where this one is MEMBAR.ALL.GPU; both then invalidate the SM's L1 cache): a counter handed from block to
+    # block needs only acquire and release.
+    gpu_fence = ptx_statement("fence.acq_rel.gpu;")
+
+
 @cuda.jit(device=True)
 def last_to_arrive(counters, i, count):
     """True in the last of the `count` blocks that call this with counter i, False in the others; every thread of
-    a block calls, after writing what the last block will read. Each block makes its writes visible to the whole
-    GPU (threadfence) before one of its threads counts it (an atomic add on counters[i]); the block that brings the
-    count to `count` has every other block's writes to read, and resets counters[i] to 0 for the next launch. The
-    atomic only elects a block: what the last block computes never depends on the order of arrival."""
+    a block calls, after writing what the last block will read. The block barrier orders its threads' writes before
+    thread 0's fence, which releases them to the whole GPU before it counts the block (an atomic add on
+    counters[i]); the block that brings the count to `count` fences again (an acquire: every other block's writes
+    are seen by its threads after the next block barrier) and resets counters[i] to 0 for the next launch. The
+    atomic only elects a block: what the last block computes never depends on the order of arrival. (The pattern
+    of CUDA's own grid synchronisation: one thread fences for its block.)"""
     last = cuda.shared.array(1, dtype=int32)
-    cuda.threadfence()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
-        last[0] = cuda.atomic.add(counters, i, 1) == count - 1
-    cuda.syncthreads()
-    if last[0]:
-        cuda.threadfence()  # and the last block sees them: no line of another block's writes read stale
-        if cuda.threadIdx.x == 0:
+        gpu_fence()
+        is_last = cuda.atomic.add(counters, i, 1) == count - 1
+        if is_last:
+            gpu_fence()
             counters[i] = 0  # every block has counted itself
+        last[0] = is_last
+    cuda.syncthreads()
     return last[0] != 0
 
 
@@ -150,4 +183,5 @@ def empty(shape, dtype=np.float32, stream=0, rt=None, name=None):
 
 
 __all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "compiled_once", "completion_counters", "cuda",
-           "empty", "f32_weight", "for_weight_dtypes", "last_to_arrive", "launch", "pick", "reshaped", "sized"]
+           "empty", "f32_weight", "for_weight_dtypes", "gpu_fence", "last_to_arrive", "launch", "pick", "reshaped",
+           "sized"]

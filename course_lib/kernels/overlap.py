@@ -62,22 +62,10 @@ else:
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
-    def _statement(ptx):
-        """An intrinsic of no arguments that emits one PTX statement, never moved across memory accesses."""
+    from course_lib.kernels import ptx_statement
 
-        def typer(typingctx):
-            def codegen(context, builder, signature, args):
-                if supported():  # (before Hopper: nothing)
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}", side_effect=True)
-                    builder.call(asm, [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return intrinsic(typer)
-
-    _griddepcontrol_wait = _statement("griddepcontrol.wait;")
-    _griddepcontrol_launch_dependents = _statement("griddepcontrol.launch_dependents;")
+    _griddepcontrol_wait = ptx_statement("griddepcontrol.wait;", emitted=supported)  # (before Hopper: nothing)
+    _griddepcontrol_launch_dependents = ptx_statement("griddepcontrol.launch_dependents;", emitted=supported)
 
     _PREFETCH = "{ .reg .u64 p; cvta.to.global.u64 p, $0; prefetch.global.L2 [p]; }"
 

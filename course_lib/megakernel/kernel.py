@@ -6,10 +6,11 @@ instructions come in groups (a layer's instructions of one op; a query head's qk
 group has a counter, and an instruction waits for whole groups (`schedule.counter_tables`):
 
     wait   a thread per group waited for reads its counter (an atomic: from the L2 cache, never a stale L1 line),
-           pausing POLL_NS between reads, until it reaches size x epoch; then a memory fence and a block barrier
-           (acquire: the block sees what the other blocks wrote before they counted their instructions)
+           pausing POLL_NS between reads, until it reaches size x epoch; then an acquire fence and a block barrier
+           (the block sees what the other blocks wrote before they counted their instructions)
     run    the instruction's operation, by every thread of the block (the `op_*` device functions)
-    mark   a fence in every thread, a barrier, then thread 0 adds 1 to its group's counter (release)
+    mark   a block barrier, then thread 0 fences (release: the block's writes before the count) and adds 1 to its
+           group's counter (kernels.gpu_fence: acquire and release, not the sequentially consistent threadfence)
 
 Epochs make the counters reusable without clearing them: step t of a launch is epoch epoch0 + t + 1, and after E
 steps a counter holds size x E. The first instruction of a step (embed) also waits for the previous step's last
@@ -43,7 +44,7 @@ import time
 import numpy as np
 from numba import float32, int32
 
-from ..kernels import SIMULATOR, cuda
+from ..kernels import SIMULATOR, cuda, gpu_fence
 from ..kernels.elementwise import FULL_MASK, NORM_THREADS, block_max, block_sum, segment_sum, silu_times
 from ..kernels.sampling import THREADS, choose
 from ..kernels.vector import bf16x8, f32x8
@@ -513,8 +514,8 @@ def _make_megakernel(load8):
                 if op == EMBED and tid == 0 and barriers == 0:  # the previous step is over
                     while cuda.atomic.add(counters, sample_counter, 0) < epoch - 1:
                         cuda.nanosleep(POLL_NS)
-                cuda.threadfence()
-                cuda.syncthreads()
+                gpu_fence()  # acquire: what the groups waited for wrote is seen by this thread's reads (each poller)
+                cuda.syncthreads()  # ... and, through the block barrier, by every thread of the block
                 if tid == 0:
                     stamps[i, 1] = globaltimer()
                 if op == EMBED:
@@ -542,9 +543,9 @@ def _make_megakernel(load8):
                     if tid == 0:
                         token[0] = chosen
                         tokens_out[t] = chosen
-                cuda.threadfence()
                 cuda.syncthreads()
                 if tid == 0:
+                    gpu_fence()  # release: the block's writes, ordered before the barrier, before the count
                     cuda.atomic.add(counters, counter_of[i], 1)
                     stamps[i, 2] = globaltimer()
             pass_barriers(counters, passed, barriers, before)  # the step's last: the next starts after all of it
