@@ -37,7 +37,8 @@ def test_dependencies_complete_on_real_shapes(config):
     program = build_program(config)
     assert check_dependencies(program) == []
     per_layer = config.n_heads + 2 * config.n_kv_heads + config.n_heads + 2 * -(-config.d_model // 64) \
-        + -(-config.d_ff // 64)  # qkv heads, attention by query head, o_proj, down, gate_up slices
+        + -(-config.d_ff // 32)  # qkv heads, attention by query head, o_proj, down, gate_up slices (64 weight rows:
+    # 32 gate and 32 up)
     assert len(program) == 1 + config.n_layers * per_layer + -(-config.vocab_size // 4096) + 1
 
 

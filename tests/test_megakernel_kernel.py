@@ -137,9 +137,9 @@ def test_the_diff_tool_names_the_first_wrong_instruction(tiny):
     tolerance = logit_tolerance(tiny.config, scale)  # the same float32 pass, another summation order
     assert first_kernel_difference(mk, twin, tokens, tolerance) is None
     c = tiny.config
-    gate = mk.w["w_gate"].copy_to_host().view(np.float32)  # [L, d, d_ff], flat
-    gate[(1 * c.d_model + 0) * c.d_ff + 20] += 5.0
-    mk.w["w_gate"] = cuda.to_device(gate.view(np.uint32))
+    w_gu = mk.w["w_gu"].copy_to_host().view(np.float32)  # [L, 2 d_ff, d] flat, row 2j: gate output j
+    w_gu[(1 * 2 * c.d_ff + 2 * 20) * c.d_model + 0] += 5.0
+    mk.w["w_gu"] = cuda.to_device(w_gu.view(np.uint32))
     index, ins, buffer, gap = first_kernel_difference(mk, twin, tokens, tolerance)
     assert (ins.op, ins.layer, ins.start) == ("gate_up", 1, 16) and buffer == "act" and gap > tolerance
 

@@ -23,8 +23,9 @@ With a norm, the warp computes the row's sum of squares from the same loads and 
 RMS at the end: y = (x * gamma) . w / rms(x). A row's sums do not depend on how many rows the launch has (a block per
 chunk of ROWS rows, grid z), so a token gets the same bits alone, inside a prompt or inside a batch.
 
-Each kernel is a thin wrapper around one device function, `pair_sums_for(...)`, of (pair index, buffers): the
-megakernel can call the same body.
+Each kernel is a thin wrapper around two device functions of (pair index, buffers): `pair_sums_for(...)`, the dot
+products, and an epilogue (`store_pair_for`, `rope_store_for`, `swiglu_store`), called by lane 0. The megakernel
+calls the same bodies, with its own wait (counters) where a launched kernel waits for the kernel before.
 """
 
 import functools
@@ -80,14 +81,21 @@ def paired_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
 
 # ---- the body: a warp's two dot products ----
 
+@cuda.jit(device=True)
+def launched_inputs(ready):
+    """The wait of a kernel of its own: for the kernel before it (overlap.inputs_ready; `ready` unused)."""
+    inputs_ready()
+
+
 @functools.cache
-def pair_sums_for(rows, steps, wide, normed):
-    """The device function pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc):
+def pair_sums_for(rows, steps, wide, normed, wait=launched_inputs):
+    """The device function pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc, ready):
     acc[r, side] = h[lo + r] . W[2p + side] for r < count <= rows and side 0, 1, in every lane of the warp. h = a
     (a [R, K] float32 seen as flat uint32 words), or, normed, h[r] = a[r] gamma / rms(a[r]), gamma [K] float32 (as
     words) and rms(a) = sqrt(mean(a^2) + eps). W [2 pairs, K] is float32 (wide) or bf16 bits, as flat words;
     K = 8 per_row, steps = ceil(per_row / 32) a compile-time constant. Every thread of the block calls it: it waits
-    for the step's inputs (after issuing its first weight loads); a warp with p >= pairs loads and adds nothing."""
+    for the step's inputs, wait(ready), after issuing its first weight loads (a launched kernel: launched_inputs; the
+    megakernel: its counters); a warp with p >= pairs loads and adds nothing."""
     per_load = 2 if wide else 1  # 16-byte loads per group of 8 weights
     chunks = -(-steps // STEPS_AHEAD)
 
@@ -107,7 +115,7 @@ def pair_sums_for(rows, steps, wide, normed):
                         raw[u, side, 4 * half + 3] = w3
 
     @cuda.jit(device=True)
-    def pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc):
+    def pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc, ready):
         raw = cuda.local.array((STEPS_AHEAD, 2, 8), dtype=uint32)
         sum_sq = cuda.local.array(rows, dtype=float32)
         mine = p < pairs
@@ -117,7 +125,7 @@ def pair_sums_for(rows, steps, wide, normed):
             acc[r, 1] = float32(0)
         if mine:
             load_weights(raw, 0, p, per_row, w_words)
-        inputs_ready()  # every thread: the weights above are in flight, the activations are next
+        wait(ready)  # every thread: the weights above are in flight, the activations are next
         for c in range(chunks):
             if c > 0 and mine:
                 load_weights(raw, c, p, per_row, w_words)
@@ -147,6 +155,71 @@ def pair_sums_for(rows, steps, wide, normed):
     return pair_sums
 
 
+# ---- epilogues: what lane 0 of the warp of pair p does with acc[r, side] (rows lo .. lo + count - 1) ----
+
+@functools.cache
+def store_pair_for(accumulate):
+    """store_pair(p, lo, count, acc, out): out[lo + r, 2p + side] = acc[r, side] (added into out when accumulate:
+    the residual stream), out [T, N]."""
+
+    @cuda.jit(device=True)
+    def store_pair(p, lo, count, acc, out):
+        for r in range(acc.shape[0]):
+            if r < count:
+                for side in range(2):
+                    if accumulate:
+                        out[lo + r, 2 * p + side] += acc[r, side]
+                    else:
+                        out[lo + r, 2 * p + side] = acc[r, side]
+
+    return store_pair
+
+
+@functools.cache
+def rope_store_for(kv_bf16):
+    """rope_store(p, lo, count, acc, bias, cos, sin, k_table, v_table, positions, slots, q): pair p of paired_qkv's
+    rows (outputs i and i + hd / 2 of head p // (hd / 2)) + bias (length 0: none), rotated by RoPE at positions[t]
+    on a q or k head, q stored to q [T, H hd], k and v to row slots[t] of k_table, v_table [rows, Hkv, hd] (bf16
+    bits when kv_bf16; a slot < 0 is skipped)."""
+    store_kv = f32_to_bf16_bits if kv_bf16 else f32_weight
+
+    @cuda.jit(device=True)
+    def rope_store(p, lo, count, acc, bias, cos, sin, k_table, v_table, positions, slots, q):
+        hd = k_table.shape[2]
+        half = hd // 2
+        i = p % half
+        n = (p // half) * hd + i  # the pair's outputs are n and n + half of [q | k | v]
+        n_q, n_kv = q.shape[1], k_table.shape[1] * hd
+        for r in range(acc.shape[0]):
+            if r < count:
+                t = lo + r
+                y0, y1 = acc[r, 0], acc[r, 1]
+                if bias.shape[0] > 0:
+                    y0 += bias[2 * p]
+                    y1 += bias[2 * p + 1]
+                if n < n_q + n_kv:  # a q or k head
+                    c, s = cos[positions[t], i], sin[positions[t], i]
+                    y0, y1 = rotated_first(y0, y1, c, s), rotated_second(y0, y1, c, s)
+                if n < n_q:
+                    q[t, n] = y0
+                    q[t, n + half] = y1
+                elif slots[t] >= 0:
+                    j = (n - n_q) % n_kv
+                    table = k_table if n < n_q + n_kv else v_table
+                    table[slots[t], j // hd, j % hd] = store_kv(y0)
+                    table[slots[t], j // hd, j % hd + half] = store_kv(y1)
+
+    return rope_store
+
+
+@cuda.jit(device=True)
+def swiglu_store(p, lo, count, acc, out):
+    """out[lo + r, p] = silu(gate) * up, gate and up the pair p of paired_gate_up's rows."""
+    for r in range(acc.shape[0]):
+        if r < count:
+            out[lo + r, p] = silu_times(acc[r, 0], acc[r, 1])
+
+
 @cuda.jit(device=True)
 def pair_of_warp(T):
     """(p, lo, count) of this warp: pair p = blockIdx.x WARPS + warp, the rows lo .. lo + count - 1 of the launch's T
@@ -155,26 +228,20 @@ def pair_of_warp(T):
     return cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32, lo, min(ROWS, T - lo)
 
 
-# ---- kernels: pair_sums then an epilogue in lane 0 of each warp ----
+# ---- kernels: pair_sums, then the epilogue in lane 0 of each warp ----
 
 @functools.cache
 def project_kernel(rows, steps, wide, normed, accumulate):
-    pair_sums = pair_sums_for(rows, steps, wide, normed)
+    pair_sums, store = pair_sums_for(rows, steps, wide, normed), store_pair_for(accumulate)
 
     def project_rows(pairs, per_row, a_words, T, gamma_words, eps, w_words, out):
         """out[t, n] (+)= h[t] . W[n] (pair_sums), out [T, N]: added into out when accumulate (the residual stream).
         Grid (ceil(N / 2 / WARPS), ceil(T / ROWS)), THREADS."""
         acc = cuda.local.array((rows, 2), dtype=float32)
         p, lo, count = pair_of_warp(T)
-        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc)
+        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc, 0)
         if p < pairs and cuda.threadIdx.x % 32 == 0:
-            for r in range(rows):
-                if r < count:
-                    for side in range(2):
-                        if accumulate:
-                            out[lo + r, 2 * p + side] += acc[r, side]
-                        else:
-                            out[lo + r, 2 * p + side] = acc[r, side]
+            store(p, lo, count, acc, out)
 
     project_rows.__name__ = project_rows.__qualname__ = "project_rows" + ("_add" if accumulate else "")
     return waits_for_inputs(cuda.jit(project_rows))
@@ -182,41 +249,16 @@ def project_kernel(rows, steps, wide, normed, accumulate):
 
 @functools.cache
 def qkv_rope_kernel(rows, steps, wide, normed, kv_bf16):
-    pair_sums = pair_sums_for(rows, steps, wide, normed)
-    store_kv = f32_to_bf16_bits if kv_bf16 else f32_weight
+    pair_sums, rope_store = pair_sums_for(rows, steps, wide, normed), rope_store_for(kv_bf16)
 
     def qkv_rope_rows(pairs, per_row, a_words, T, gamma_words, eps, w_words, bias, cos, sin, k_table, v_table,
                       positions, slots, q):
-        """Pair p of paired_qkv's rows (outputs i and i + hd / 2 of head p // (hd / 2)): + bias (length 0: none),
-        rotated by RoPE at positions[t] on a q or k head, q stored to q [T, H hd], k and v to row slots[t] of
-        k_table, v_table [rows, Hkv, hd] (store_kv; a slot < 0 is skipped). Grid as project_rows."""
+        """rope_store of pair_sums (see there). Grid as project_rows."""
         acc = cuda.local.array((rows, 2), dtype=float32)
         p, lo, count = pair_of_warp(T)
-        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc)
+        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc, 0)
         if p < pairs and cuda.threadIdx.x % 32 == 0:
-            hd = k_table.shape[2]
-            half = hd // 2
-            i = p % half
-            n = (p // half) * hd + i  # the pair's outputs are n and n + half of [q | k | v]
-            n_q, n_kv = q.shape[1], k_table.shape[1] * hd
-            for r in range(rows):
-                if r < count:
-                    t = lo + r
-                    y0, y1 = acc[r, 0], acc[r, 1]
-                    if bias.shape[0] > 0:
-                        y0 += bias[2 * p]
-                        y1 += bias[2 * p + 1]
-                    if n < n_q + n_kv:  # a q or k head
-                        c, s = cos[positions[t], i], sin[positions[t], i]
-                        y0, y1 = rotated_first(y0, y1, c, s), rotated_second(y0, y1, c, s)
-                    if n < n_q:
-                        q[t, n] = y0
-                        q[t, n + half] = y1
-                    elif slots[t] >= 0:
-                        j = (n - n_q) % n_kv
-                        table = k_table if n < n_q + n_kv else v_table
-                        table[slots[t], j // hd, j % hd] = store_kv(y0)
-                        table[slots[t], j // hd, j % hd + half] = store_kv(y1)
+            rope_store(p, lo, count, acc, bias, cos, sin, k_table, v_table, positions, slots, q)
 
     return waits_for_inputs(cuda.jit(qkv_rope_rows))
 
@@ -226,14 +268,12 @@ def gate_up_kernel(rows, steps, wide, normed):
     pair_sums = pair_sums_for(rows, steps, wide, normed)
 
     def gate_up_swiglu_rows(pairs, per_row, a_words, T, gamma_words, eps, w_words, out):
-        """out[t, j] = silu(gate) * up, gate and up the pair j of paired_gate_up's rows. Grid as project_rows."""
+        """swiglu_store of pair_sums: out [T, F]. Grid as project_rows."""
         acc = cuda.local.array((rows, 2), dtype=float32)
         p, lo, count = pair_of_warp(T)
-        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc)
+        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc, 0)
         if p < pairs and cuda.threadIdx.x % 32 == 0:
-            for r in range(rows):
-                if r < count:
-                    out[lo + r, p] = silu_times(acc[r, 0], acc[r, 1])
+            swiglu_store(p, lo, count, acc, out)
 
     return waits_for_inputs(cuda.jit(gate_up_swiglu_rows))
 

@@ -57,8 +57,9 @@ def slices(n: int, width: int) -> list[tuple[int, int]]:
 
 
 def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -> list[Instruction]:
-    """The instructions of one decode step, in an order the dependencies allow. cols: output columns per
-    o_proj, gate_up and down instruction; vocab_cols: per logits instruction."""
+    """The instructions of one decode step, in an order the dependencies allow. cols: weight rows (outputs of a
+    matrix product) per o_proj, gate_up and down instruction: cols columns of x for o_proj and down, cols / 2 of act
+    for gate_up (each the product of a gate and an up column); vocab_cols: per logits instruction."""
     c = config
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     group = H // Hkv
@@ -94,7 +95,7 @@ def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -
         o_proj = [add("o_proj", layer, s, e, attention, [Access("attn", 0, H * hd), Access("x", s, e)],
                       [Access("x", s, e)]) for s, e in slices(c.d_model, cols)]
         gate_up = [add("gate_up", layer, s, e, o_proj, [x_all], [Access("act", s, e)])
-                   for s, e in slices(c.d_ff, cols)]
+                   for s, e in slices(c.d_ff, max(1, cols // 2))]
         before = [add("down", layer, s, e, gate_up, [Access("act", 0, c.d_ff), Access("x", s, e)],
                       [Access("x", s, e)]) for s, e in slices(c.d_model, cols)]
     logits = [add("logits", -1, s, e, before, [x_all], [Access("logits", s, e)])

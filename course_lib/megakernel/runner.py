@@ -15,10 +15,12 @@ import numpy as np
 
 from .. import reference
 from ..kernels import SIMULATOR, compiled_once, cuda, sm_count
+from ..kernels.row_dot import output_rows, paired_gate_up, paired_qkv
 from ..kernels.sampling import NO_TOKEN, THREADS, device_settings
+from ..kernels.vector import words
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
-from .kernel import MAX_K, MAX_QUEUE, PASS_COLS, SLICE_COLS, megakernel_for
+from .kernel import HEAD_DIM_MAX, MAX_QUEUE, SLICE_COLS, megakernel_for
 from .program import build_program
 from .schedule import assign, cost, counter_tables, encode
 
@@ -31,12 +33,19 @@ def check_shapes(config) -> None:
     c, hd = config, config.head_dim
     problems = [f"{name} = {v} is not a multiple of 8 (16-byte loads)" for name, v in
                 (("d_model", c.d_model), ("d_ff", c.d_ff), ("n_heads * head_dim", c.n_heads * hd)) if v % 8]
-    if hd > PASS_COLS or hd > THREADS:
-        problems.append(f"head_dim = {hd} > {min(PASS_COLS, THREADS)}")
-    if max(c.d_model, c.d_ff, c.n_heads * hd) > MAX_K:
-        problems.append(f"an activation row longer than {MAX_K}")
+    if hd > HEAD_DIM_MAX or hd % 2:
+        problems.append(f"head_dim = {hd}: attention takes an even head_dim of at most {HEAD_DIM_MAX}")
+    if c.vocab_size % 2:
+        problems.append(f"vocab_size = {c.vocab_size} is odd (the logits come in pairs)")
     if problems:
         raise ValueError("the megakernel cannot run this model: " + "; ".join(problems))
+
+
+def row_steps(config) -> int:
+    """The megakernel's compile-time steps of a row (kernels/row_dot.pair_sums_for): its longest row, 256 elements a
+    step (8 a lane)."""
+    c = config
+    return -(-max(c.d_model, c.d_ff, c.n_heads * c.head_dim) // 256)
 
 
 @dataclass
@@ -47,7 +56,7 @@ class MegaState:
     x: object
     q: object
     attn: object
-    act: object
+    act: object  # [1, d_ff]
     logits: object
     k_cache: object
     v_cache: object
@@ -62,16 +71,24 @@ class MegaState:
         cache = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
         zeros = lambda shape, dtype=np.float32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
         return cls(zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
-                   zeros(c.n_heads * c.head_dim), zeros(c.d_ff), zeros(c.vocab_size), zeros(cache), zeros(cache),
+                   zeros(c.n_heads * c.head_dim), zeros((1, c.d_ff)), zeros(c.vocab_size), zeros(cache), zeros(cache),
                    zeros((c.n_heads, capacity)), zeros(c.vocab_size, np.uint64),
                    zeros(n_counters + 1, np.int32), zeros((n_instructions, 3), np.int64))
 
+    def views(self) -> tuple:
+        """The buffers as the kernel takes them: x, words(x), q, q as [1, H hd], attn, words(attn), act, words(act),
+        logits, logits as [1, V], k_cache, v_cache, scores, weights, stamps."""
+        n_q, V = self.q.shape[0], self.logits.shape[0]
+        return (self.x, words(self.x), self.q, self.q.reshape(1, n_q), self.attn, words(self.attn), self.act,
+                words(self.act), self.logits, self.logits.reshape(1, V), self.k_cache, self.v_cache, self.scores,
+                self.weights, self.stamps)
+
 
 def stacked_weights(model: Model, dtype: str) -> dict:
-    """The model's weights as the megakernel reads them: {name: device array}, matrices stacked by layer ([L, K, N],
-    bf16 bits or float32, seen as uint32 words), the head as [d, V] (a transposed copy of the embedding table when
-    tied: the logits are column slices like every other matmul; V padded with zeros to a multiple of 8), biases and
-    norms float32 (the norms flat: [L d])."""
+    """The model's weights as the megakernel reads them: {name: device array}, matrices a row per output
+    (kernels/row_dot's layouts: paired_qkv, output_rows, paired_gate_up) stacked by layer, bf16 bits or float32, seen
+    as uint32 words; the head is the embedding table itself when tied ([V, d] rows); the norms float32 seen as words
+    ([L d]), the QKV bias float32 [L, (H + 2 Hkv) hd] in paired_qkv's order."""
     if dtype not in ("f32", "bf16"):
         raise ValueError(f"weight dtype must be 'f32' or 'bf16', got {dtype!r}")
     w, c = model.weights, model.config
@@ -80,23 +97,26 @@ def stacked_weights(model: Model, dtype: str) -> dict:
     def matrix(host):
         return cuda.to_device(store(host).view(np.uint32).reshape(-1))
 
-    def padded(head):  # [d, V] -> [d, V rounded up to 8]: 16-byte loads of whole rows
-        return np.pad(head, ((0, 0), (0, -c.vocab_size % 8)))
+    def by_layer(rows_of):
+        return matrix(np.stack([rows_of(lw) for lw in w.layers]))
 
-    def stack(name):
-        return np.stack([getattr(lw, name) for lw in w.layers])
+    def f32_words(host):
+        return cuda.to_device(np.ascontiguousarray(host, np.float32).view(np.uint32).reshape(-1))
 
-    n_qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    hd, n_qkv = c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     biases = [np.concatenate([lw.bq, lw.bk, lw.bv]) if lw.bq is not None else np.zeros(n_qkv, np.float32)
               for lw in w.layers]
+    embed = matrix(w.embed)
     return {
-        "embed": matrix(w.embed), "head": matrix(padded(w.embed.T if w.lm_head is None else w.lm_head)),
-        "attn_norm": cuda.to_device(stack("attn_norm").astype(np.float32).reshape(-1)),
-        "w_qkv": matrix(np.stack([np.concatenate([lw.wq, lw.wk, lw.wv], axis=1) for lw in w.layers])),
-        "b_qkv": cuda.to_device(np.stack(biases).astype(np.float32)),
-        "wo": matrix(stack("wo")), "mlp_norm": cuda.to_device(stack("mlp_norm").astype(np.float32).reshape(-1)),
-        "w_gate": matrix(stack("w_gate")), "w_up": matrix(stack("w_up")), "w_down": matrix(stack("w_down")),
-        "final_norm": cuda.to_device(w.final_norm.astype(np.float32)),
+        "embed": embed, "head": embed if w.lm_head is None else matrix(output_rows(w.lm_head)),
+        "attn_norm": f32_words(np.stack([lw.attn_norm for lw in w.layers])),
+        "w_qkv": by_layer(lambda lw: paired_qkv(np.concatenate([lw.wq, lw.wk, lw.wv], axis=1), hd)),
+        "b_qkv": cuda.to_device(np.stack([paired_qkv(b, hd) for b in biases]).astype(np.float32)),
+        "wo": by_layer(lambda lw: output_rows(lw.wo)),
+        "mlp_norm": f32_words(np.stack([lw.mlp_norm for lw in w.layers])),
+        "w_gu": by_layer(lambda lw: paired_gate_up(lw.w_gate, lw.w_up)),
+        "w_down": by_layer(lambda lw: output_rows(lw.w_down)),
+        "final_norm": f32_words(w.final_norm),
     }
 
 
@@ -127,7 +147,7 @@ class Megakernel:
         # what the counters gain per step at most: reset before a launch would take them past int32
         self.per_step = self.blocks * self.barriers + int(tables["sizes"].max())
         self.w = stacked_weights(model, weights)
-        self.kernel = megakernel_for(np.uint16 if weights == "bf16" else np.float32)
+        self.kernel = megakernel_for(np.uint16 if weights == "bf16" else np.float32, row_steps(c))
         cos, sin = reference.rope_tables(c, capacity)
         self.cos, self.sin = cuda.to_device(cos), cuda.to_device(sin)
         self.state = MegaState.allocate(c, capacity, len(self.program), len(tables["sizes"]))
@@ -176,8 +196,7 @@ class Megakernel:
             cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token,
             self._stops[stops], np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
-            w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gate"], w["w_up"], w["w_down"], w["final_norm"], w["head"],
-            s.x, s.q, s.attn, s.act, s.logits, s.k_cache, s.v_cache, s.scores, s.weights, s.stamps)
+            w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gu"], w["w_down"], w["final_norm"], w["head"], *s.views())
         return out
 
     def run_prefix(self, token: int, n: int) -> None:
@@ -231,4 +250,4 @@ class Megakernel:
         return cuda.event_elapsed_time(start, end) / steps, 1e3 * host / steps
 
 
-__all__ = ["Megakernel", "MegaState", "NO_TOKEN", "check_shapes", "stacked_weights"]
+__all__ = ["Megakernel", "MegaState", "NO_TOKEN", "check_shapes", "row_steps", "stacked_weights"]
