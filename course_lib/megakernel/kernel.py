@@ -8,7 +8,7 @@ group has a counter, and an instruction waits for whole groups (`schedule.counte
     wait   a thread per group waited for reads its counter (an atomic: from the L2 cache, never a stale L1 line),
            pausing POLL_NS between reads, until it reaches size x epoch; then an acquire fence and a block barrier
            (the block sees what the other blocks wrote before they counted their instructions)
-    run    the instruction's operation, by every thread of the block (the `op_*` device functions)
+    run    the instruction's operation, by every thread of the block (op_embed, op_attention, the projections)
     mark   a block barrier, then thread 0 fences (release: the block's writes before the count) and adds 1 to its
            group's counter (kernels.gpu_fence: acquire and release, not the sequentially consistent threadfence)
 
@@ -55,7 +55,8 @@ from .schedule import OPCODES
 EMBED, QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, LOGITS, SAMPLE = (
     OPCODES[op] for op in ("embed", "qkv", "attention", "o_proj", "gate_up", "down", "logits", "sample"))
 HEAD_DIM_MAX = 64  # attention's lanes hold 2 elements of a key each
-SLICE_COLS = sized(32, 16)  # output columns of an O, gate/up or down instruction: a pair a warp (WARPS pairs a pass)
+SLICE_COLS = sized(32, 16)  # weight rows of an O, gate/up or down instruction (program.build_program's cols): a
+# pair a warp, WARPS pairs a pass
 MAX_K = 8192  # attention's shared row (32 KB): the values' partial sums, the query, the scores while they fit
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
 POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer atomics crowding the L2 cache
