@@ -292,15 +292,14 @@ def _make_megakernel(dtype, steps):
                 if op == EMBED and tid == 0 and barriers == 0:  # the previous step is over
                     while cuda.atomic.add(counters, sample_counter, 0) < epoch - 1:
                         cuda.nanosleep(POLL_NS)
-                ready = (counters, waits, mine[j, 5], mine[j, 6], sizes, epoch, stamps[i])
+                projection = op == QKV or op == O_PROJ or op == GATE_UP or op == DOWN or (op == LOGITS and not fed_next)
+                if not projection:  # (a projection waits inside pair_sums, once its first weights are in flight)
+                    counted((counters, waits, mine[j, 5], mine[j, 6], sizes, epoch, stamps[i]))
                 if op == EMBED:
-                    counted(ready)
                     op_embed(feed[t] if feed[t] >= 0 else token[0], embed, x)
                 elif op == ATTENTION:
-                    counted(ready)
                     op_attention(layer, c0, p, q, k_cache, v_cache, scores, attn, a, scratch)
                 elif op == SAMPLE:
-                    counted(ready)
                     chosen = int32(0)
                     if not fed_next:
                         chosen = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0],
@@ -308,13 +307,11 @@ def _make_megakernel(dtype, steps):
                     if tid == 0:
                         token[0] = chosen
                         tokens_out[t] = chosen
-                elif op == LOGITS and fed_next:
-                    counted(ready)
-                else:  # a projection: pairs P0 .. P1 of a matrix of rows [2 pairs, K], a pair a warp, WARPS a pass
+                elif projection:  # pairs P0 .. P1 of a matrix of rows [2 pairs, K], a pair a warp, WARPS a pass
                     if op == QKV:  # head c0
                         P0, P1, K, src, gamma = c0 * half, (c0 + 1) * half, d, x_words, attn_norm[layer * d:]
                         w = w_qkv[layer * n_qkv * d * wpp // 2:]
-                    elif op == O_PROJ:
+                    elif op == O_PROJ:  # (gamma: not read without a norm)
                         P0, P1, K, src, gamma = c0 // 2, c1 // 2, n_q, attn_words, attn_norm[0:]
                         w = wo[layer * d * n_q * wpp // 2:]
                     elif op == GATE_UP:  # act columns c0 .. c1: pairs of a gate row and an up row
@@ -327,7 +324,7 @@ def _make_megakernel(dtype, steps):
                         P0, P1, K, src, gamma, w = c0 // 2, c1 // 2, d, x_words, final_norm[0:], head[0:]
                     for p0 in range(P0, P1, WARPS):  # the first pass waits (after loading its first weights)
                         w1 = mine[j, 6] if p0 == P0 else -1
-                        pair = (counters, waits, mine[j, 5], w1, sizes, epoch, stamps[i])
+                        pair = (counters, waits, mine[j, 5], w1, sizes, epoch, stamps[i])  # counted's `ready`
                         if op == O_PROJ or op == DOWN:
                             plain_sums(p0 + warp, P1, K // 8, src, 0, 1, gamma, eps, w, acc, pair)
                         else:
