@@ -759,10 +759,11 @@ for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-deco
 from course_lib.megakernel.kernel import megakernel_for  # noqa: E402
 I2, U1 = "int32[:, ::1]", "uint32[::1]"
 for dtype in (np.uint16,):  # the megakernel (bf16 weights; float32 weights change only its 16-byte loader), SmolLM2's
-    jobs.append((f"megakernel[{np.dtype(dtype)}]", megakernel_for(dtype, 6),  # rows of up to 6 x 256 (d_ff 1,536)
+    jobs.append((f"megakernel[{np.dtype(dtype)}]", megakernel_for(dtype, 6, 3, 64),  # rows up to 6 x 256, G 3, hd 64
                  f"void({I2}, {', '.join([I1] * 7)}, int32, {I1}, int32, {I1}, {I1}, {I1}, {I1}, int32, float64[::1], "
                  f"int64[::1], float32, {F2}, {F2}, {', '.join([U1] * 3)}, {F2}, {', '.join([U1] * 6)}, {F2}, {U1}, "
-                 f"{F1}, {F2}, {F1}, {U1}, {F2}, {U1}, {F1}, {F2}, {F4}, {F4}, {F2}, uint64[::1], int64[:, ::1])"))
+                 f"{F2}, {F3}, {F3}, {F4}, {U1}, {F2}, {U1}, {F1}, {F2}, {F4}, {F4}, {U1}, {U1}, {I1}, uint64[::1], "
+                 "int64[:, ::1])"))
 jobs.append(("merge_chunks", paged_attention.merge_chunks, f"void({F4}, {F3}, {F3}, {I1}, int64, int64, {F3})"))
 ptxas = shutil.which("ptxas")
 verbose = os.environ.get("PTXAS_VERBOSE") == "1"  # registers and spills of each kernel, printed

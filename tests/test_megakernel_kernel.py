@@ -113,8 +113,8 @@ def test_grid_barrier_version_gives_the_same_tokens(tiny):
 
 
 def test_shapes_the_megakernel_cannot_run_are_refused(tiny):
-    wide = dataclasses.replace(SMOLLM2_135M, d_model=9 * 128)  # head_dim 128: more than a matmul pass's 64 columns
-    with pytest.raises(ValueError, match="head_dim = 128"):
+    wide = dataclasses.replace(SMOLLM2_135M, d_model=9 * 512)  # head_dim 512: more than attention's 256
+    with pytest.raises(ValueError, match="head_dim = 512"):
         check_shapes(wide)
     check_shapes(tiny.config)
 
@@ -144,14 +144,12 @@ def test_the_diff_tool_names_the_first_wrong_instruction(tiny):
     assert (ins.op, ins.layer, ins.start) == ("gate_up", 1, 16) and buffer == "act" and gap > tolerance
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="SCORES_AT is a compile-time constant on a GPU (read at run time in the "
-                    "simulator)")
-def test_attention_scores_in_global_memory(tiny, monkeypatch):
-    """When a group's scores do not fit in shared memory (long contexts), attention keeps them in its global
-    scratch: the same tokens. Here the shared row leaves room for one key's score."""
-    from course_lib.megakernel import kernel
+def test_a_capacity_of_part_of_a_page(tiny):
+    """The cache holds whole pages of paged_attention's rows (kernel.PAGE): a capacity that is not a multiple of
+    them is rounded up inside, and the tokens are the reference's."""
+    from course_lib.megakernel.kernel import PAGE
 
-    monkeypatch.setattr(kernel, "SCORES_AT", kernel.MAX_K - 1)
-    mk = Megakernel(tiny, 16, weights="f32")
+    mk = Megakernel(tiny, PAGE + 4, weights="f32")
+    assert mk.state.k_cache.shape[1] == 2 * PAGE
     expected = generate(tiny, [3, 17, 42], backend="numpy", max_new_tokens=3, stop=False).token_ids
     assert [mk.prefill([3, 17, 42])] + mk.decode(2) == expected

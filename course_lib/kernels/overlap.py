@@ -106,3 +106,11 @@ def inputs_ready():
     """wait_for_inputs() then allow_next(): the top of a marked kernel with nothing to fetch first."""
     wait_for_inputs()
     allow_next()
+
+
+@cuda.jit(device=True)
+def launched_inputs(ready):
+    """inputs_ready() as the `wait(ready)` of a device body shared with the megakernel (row_dot.pair_sums_for,
+    paged_attention.chunk_block_for): a launched kernel waits for the kernel before it; `ready` is unused (the
+    megakernel's wait reads its counters from it)."""
+    inputs_ready()

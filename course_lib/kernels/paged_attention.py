@@ -34,7 +34,8 @@ device function, `merge_heads` (a thread per component: the same bits as the mer
 the same for the rows of several sequences (a batched decode step), each row reading its keys through its own
 sequence's page table (grid (H / heads, T, chunks): every row's first chunk starts before any second one). The
 kernels are thin wrappers around the device functions `chunk_block` and `merge_heads` of
-(virtual block index, buffers).
+(virtual block index, buffers); `chunk_block_for` builds chunk_block for a block of any number of warps and with the
+caller's wait (the megakernel's attention instructions: its counters instead of griddepcontrol).
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
 (`chunk_unit`), so that the chunks of the longest queries fill the GPU once: at most BLOCKS_PER_SM blocks per SM,
@@ -49,6 +50,7 @@ Why these choices (the measurements behind them: notebook 04 and data/h200_kerne
 by fixed costs, not by bandwidth, so each kernel keeps many loads in flight and avoids chains of memory latencies.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -68,7 +70,7 @@ from course_lib.kernels import (
     sm_count,
 )
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
-from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
+from course_lib.kernels.overlap import inputs_ready, launched_inputs, waits_for_inputs
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_HEAD_DIM = 256
@@ -204,15 +206,18 @@ def chunk_unit(head_dim: int, chunks: Chunks = SEQUENCE_CHUNKS) -> int:
     return chunks.steps * tile_keys(head_dim, chunks.unroll)
 
 
-def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
-    """flash_decode_chunks for G = group query heads per KV head, `heads` of them per block (a divisor of G),
-    head_dim (a multiple of 8), page_size and `unroll` keys per team and step (Chunks), compile-time constants: a
-    lane's scores and accumulators stay in registers, and the page arithmetic is shifts for a power of two;
-    load8(words, i) reads the 8 elements of group i of a table seen as uint32 words (16-byte loads)."""
+@functools.cache
+def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARPS, wait=launched_inputs):
+    """The device function chunk_block (below) for G = group query heads per KV head, `heads` of them per block (a
+    divisor of G), head_dim (a multiple of 8), page_size and `unroll` keys per team and step (Chunks), a block of
+    `warps` warps, compile-time constants: a lane's scores and accumulators stay in registers, and the page
+    arithmetic is shifts for a power of two; load8(words, i) reads the 8 elements of group i of a table seen as uint32
+    words (16-byte loads). wait(ready): how the block waits for its inputs once its first keys are in flight (a
+    launched kernel: for the kernel before it; the megakernel: its counters)."""
     team = team_size(head_dim)
     per_lane = head_dim // (8 * team)  # 8-element groups of a row per lane
     E = 8 * per_lane  # elements of a row per lane
-    teams = WARPS * (32 // team)  # keys a block reads at once, one per team
+    teams = warps * (32 // team)  # keys a block reads at once, one per team
     step = teams * unroll
 
     @cuda.jit(device=True)
@@ -279,7 +284,7 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
 
     @cuda.jit(device=True)
     def chunk_block(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out, o_part,
-                    m_part, l_part):
+                    m_part, l_part, ready):
         """Chunk c of the keys 0..positions[t] of query t for the query heads h0 = j heads .. h0 + heads - 1, which
         share KV head kvh = h0 // G (j: the block's group of heads). A query head's arithmetic depends on nothing but
         its own query, keys and values: it gets the same bits in a block of one head and in a block of G.
@@ -293,12 +298,12 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
         [P] int32; positions [T] int32. A query with one chunk is normalized and written to out [T, H, hd]
         float32 at once; otherwise the block writes o_part [T, H, C, hd] (sum_j p_j v_j, unnormalized), m_part and
         l_part [T, H, C] (max of the scores, sum of p = exp(score - m)), for the merge. Returns the query's number
-        of chunks, or 0 at once when chunk c starts past its keys. Block THREADS.
+        of chunks, or 0 at once when chunk c starts past its keys. A block of `warps` warps.
         """
         q_s = cuda.shared.array((heads, head_dim), dtype=float32)
-        m_w = cuda.shared.array((WARPS, heads), dtype=float32)
-        l_w = cuda.shared.array((WARPS, heads), dtype=float32)
-        acc_w = cuda.shared.array((WARPS, heads, head_dim), dtype=float32)
+        m_w = cuda.shared.array((warps, heads), dtype=float32)
+        l_w = cuda.shared.array((warps, heads), dtype=float32)
+        acc_w = cuda.shared.array((warps, heads, head_dim), dtype=float32)
         acc = cuda.local.array((heads, E), dtype=float32)  # sum_j p_j v_j, this lane's components
         m = cuda.local.array(heads, dtype=float32)
         l = cuda.local.array(heads, dtype=float32)  # noqa: E741
@@ -321,11 +326,11 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
         kvh = h0 // group
         find_rows(page_table, lo + me, hi, rows)  # the first step's keys, in flight during the kernel before
         load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
-        inputs_ready()
+        wait(ready)
         for u in range(unroll):  # those written by this pass, again (the keys the team reads, as find_rows clamps)
             if min(lo + me + u * teams, hi - 1) >= new_from:
                 load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
-        for x in range(tid, heads * head_dim, THREADS):
+        for x in range(tid, heads * head_dim, 32 * warps):
             q_s[x // head_dim, x % head_dim] = q[t, h0 + x // head_dim, x % head_dim]
         for g in range(heads):
             for e in range(E):
@@ -363,14 +368,14 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
                         acc_w[warp, g, 8 * (member + team * i) + e] = acc[g, 8 * i + e]
         cuda.syncthreads()
         count = (n + length - 1) // length  # the query's chunks
-        for x in range(tid, heads * head_dim, THREADS):
+        for x in range(tid, heads * head_dim, 32 * warps):
             g, d = x // head_dim, x % head_dim
             m_all = m_w[0, g]
-            for w in range(1, WARPS):
+            for w in range(1, warps):
                 m_all = max(m_all, m_w[w, g])
             l_all = float32(0)
             o = float32(0)
-            for w in range(WARPS):
+            for w in range(warps):
                 if m_w[w, g] > float32(-math.inf):
                     f = float32(math.exp(m_w[w, g] - m_all))
                     l_all += f * l_w[w, g]
@@ -384,6 +389,14 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
                     l_part[t, h0 + g, c] = l_all
         return count
 
+    return chunk_block
+
+
+def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
+    """flash_decode_chunks, flash_decode and flash_decode_rows around chunk_block_for's body (blocks of WARPS warps,
+    waiting for the kernel before)."""
+    chunk_block = chunk_block_for(load8, group, head_dim, page_size, heads, unroll)
+
     @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
@@ -391,7 +404,7 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
         """chunk_block (c, j, t) = blockIdx (x, y, z), the keys from positions[0] on new (the rows of one
         sequence); merge_chunks merges the queries with several chunks. Grid (C, H / heads, T), block THREADS."""
         chunk_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions,
-                    positions[0], target, unit, scale, out, o_part, m_part, l_part)
+                    positions[0], target, unit, scale, out, o_part, m_part, l_part, 0)
 
     @cuda.jit(device=True)
     def chunk_then_merge(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
@@ -399,7 +412,7 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
         """chunk_block, then the last of a query's chunk blocks for the heads j to finish (counters[t H / heads + j],
         last_to_arrive) merges those heads at once (merge_heads)."""
         count = chunk_block(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
-                            o_part, m_part, l_part)
+                            o_part, m_part, l_part, 0)
         if count > 1 and last_to_arrive(counters, t * (q.shape[1] // heads) + j, count):
             merge_heads(o_part, m_part, l_part, t, j * heads, heads, count, out)
 

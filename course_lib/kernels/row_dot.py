@@ -37,7 +37,7 @@ from numba import float32, uint32
 from course_lib.kernels import cuda, f32_weight, launch, sized
 from course_lib.kernels.elementwise import rotated_first, rotated_second, segment_sum, silu_times
 from course_lib.kernels.narrow import no_bias
-from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
+from course_lib.kernels.overlap import launched_inputs, waits_for_inputs
 from course_lib.kernels.paged_attention import f32_to_bf16_bits
 from course_lib.kernels.vector import aligned16, f32x8, load16, weight_of_word, words
 
@@ -80,12 +80,6 @@ def paired_gate_up(w_gate: np.ndarray, w_up: np.ndarray) -> np.ndarray:
 
 
 # ---- the body: a warp's two dot products ----
-
-@cuda.jit(device=True)
-def launched_inputs(ready):
-    """The wait of a kernel of its own: for the kernel before it (overlap.inputs_ready; `ready` unused)."""
-    inputs_ready()
-
 
 @functools.cache
 def pair_sums_for(rows, steps, wide, normed, wait=launched_inputs):

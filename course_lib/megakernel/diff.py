@@ -26,14 +26,18 @@ def kernel_state(mk: Megakernel, like: TwinState) -> TwinState:
     s = mk.state
     return TwinState(s.token.copy_to_host().astype(np.int64), like.position.copy(), s.x.copy_to_host()[0],
                      s.q.copy_to_host(), s.attn.copy_to_host(), s.act.copy_to_host()[0], s.logits.copy_to_host(),
-                     s.k_cache.copy_to_host(), s.v_cache.copy_to_host(), like.sampling)
+                     *(c.copy_to_host()[:, :like.k_cache.shape[1]] for c in (s.k_cache, s.v_cache)), like.sampling)
 
 
 def restore(mk: Megakernel, state: TwinState) -> None:
     """The kernel's buffers set to those of `state` (each prefix starts from the same state)."""
     s = mk.state
-    for name in ("q", "attn", "logits", "k_cache", "v_cache"):
+    for name in ("q", "attn", "logits"):
         getattr(s, name).copy_to_device(np.ascontiguousarray(getattr(state, name), np.float32))
+    for name in ("k_cache", "v_cache"):  # the kernel's rows: the capacity rounded up to whole pages
+        rows = np.zeros(getattr(s, name).shape, np.float32)
+        rows[:, :getattr(state, name).shape[1]] = getattr(state, name)
+        getattr(s, name).copy_to_device(rows)
     s.x.copy_to_device(state.x[None].astype(np.float32))  # x and act: [1, n] on the kernel's side
     s.act.copy_to_device(state.act[None].astype(np.float32))
     s.token.copy_to_device(state.token.astype(np.int32))

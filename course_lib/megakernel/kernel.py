@@ -33,7 +33,10 @@ kernels (`rope_store`, `swiglu_store`, `store_pair`). pair_sums issues its first
 launched kernels for the kernel before (griddepcontrol), the megakernel for its counters (`counted`): the weights
 travel while the block waits. A warp normalizes the row itself from the activations it reads (the RMSNorm of qkv,
 gate_up and logits) and its 32 lanes' sums meet by shuffles: no shared memory, no block barrier inside an
-instruction, and the same bits whichever block runs it.
+instruction, and the same bits whichever block runs it. An attention instruction (a query head) runs the five step's
+flash-decoding body (`paged_attention.chunk_block_for`, a block of WARPS warps, waiting by counters): its keys in one
+chunk, an online softmax per team of lanes, the teams and warps merged at the end; the cache's rows are pages of an
+identity page table.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import numpy as np
 from numba import float32, int32
 
 from ..kernels import SIMULATOR, cuda, gpu_fence, sized
-from ..kernels.elementwise import block_max, block_sum, segment_sum
+from ..kernels.paged_attention import SEQUENCE_CHUNKS, chunk_block_for
 from ..kernels.row_dot import pair_sums_for, rope_store_for, store_pair_for, swiglu_store
 from ..kernels.sampling import THREADS, choose
 from ..kernels.vector import bf16x8, f32x8
@@ -54,15 +57,11 @@ from .schedule import OPCODES
 
 EMBED, QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, LOGITS, SAMPLE = (
     OPCODES[op] for op in ("embed", "qkv", "attention", "o_proj", "gate_up", "down", "logits", "sample"))
-HEAD_DIM_MAX = 64  # attention's lanes hold 2 elements of a key each
 SLICE_COLS = sized(32, 16)  # weight rows of an O, gate/up or down instruction (program.build_program's cols): a
 # pair a warp, WARPS pairs a pass
-MAX_K = 8192  # attention's shared row (32 KB): the values' partial sums, the query, the scores while they fit
+PAGE = 16  # the cache's rows as pages of kernels/paged_attention (an identity page table): its chunk_block's unit
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
 POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer atomics crowding the L2 cache
-ROWS_IN_FLIGHT = 8  # cache rows whose loads attention issues before using them
-QUERY_AT = THREADS  # attention's layout of the shared row: the values' partial sums, then the query,
-SCORES_AT = QUERY_AT + 64  # then the scores (while they fit)
 WARPS = THREADS // 32
 LOADERS = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}  # 8 weights from a uint32 view of the array
 WORDS_PER_PAIR = {np.dtype(np.float32): 2, np.dtype(np.uint16): 1}  # uint32 words of two weights
@@ -122,60 +121,6 @@ def counted(ready):
             stamp[1] = globaltimer()
 
 
-@cuda.jit(device=True)
-def attend(layer, g, p, qs, k_cache, v_cache, sc, out, big, scratch):
-    """softmax(qs . k_t) v_t over the cache rows t <= p of KV head g into out [hd], the scores in sc [>= p + 1]:
-    scores (a warp per key, ROWS_IN_FLIGHT keys' loads at a time) and their maximum; exponentials and their sum;
-    values (thread (slice, e) adds column e of the rows slice, slice + slices, ...; the slices' sums added in order
-    through big [>= THREADS])."""
-    hd = k_cache.shape[3]
-    tid, T, n = cuda.threadIdx.x, cuda.blockDim.x, p + 1
-    lane, warp = tid % 32, tid // 32
-    best = float32(-math.inf)
-    kbuf = cuda.local.array((ROWS_IN_FLIGHT, 2), dtype=float32)  # a lane's (up to) 2 elements of each key
-    for t0 in range(warp * ROWS_IN_FLIGHT, n, T // 32 * ROWS_IN_FLIGHT):
-        for u in range(ROWS_IN_FLIGHT):
-            for j in range(2):
-                e = lane + 32 * j
-                kbuf[u, j] = k_cache[layer, t0 + u, g, e] if t0 + u < n and e < hd else float32(0)
-        for u in range(ROWS_IN_FLIGHT):
-            s = float32(0)
-            for j in range(2):
-                if lane + 32 * j < hd:
-                    s += qs[lane + 32 * j] * kbuf[u, j]
-            s = segment_sum(s, 32)
-            if t0 + u < n:
-                if lane == 0:
-                    sc[t0 + u] = s
-                best = max(best, s)
-    best = block_max(best, scratch)  # its barriers also publish the scores to the block
-    total = float32(0)
-    for t in range(tid, n, T):
-        e = float32(math.exp(sc[t] - best))
-        sc[t] = e
-        total += e
-    total = block_sum(total, scratch)  # and the exponentials
-    slices = T // hd
-    if tid < slices * hd:
-        sl, e = tid // hd, tid % hd
-        acc = float32(0)
-        vbuf = cuda.local.array(ROWS_IN_FLIGHT, dtype=float32)
-        for t0 in range(sl, n, slices * ROWS_IN_FLIGHT):  # the loads of ROWS_IN_FLIGHT rows, then their FMAs
-            for u in range(ROWS_IN_FLIGHT):
-                t = t0 + u * slices
-                vbuf[u] = v_cache[layer, t, g, e] if t < n else float32(0)
-            for u in range(ROWS_IN_FLIGHT):
-                if t0 + u * slices < n:
-                    acc += sc[t0 + u * slices] * vbuf[u]
-        big[tid] = acc
-    cuda.syncthreads()
-    for e in range(tid, hd, T):
-        s = float32(0)
-        for sl in range(slices):
-            s += big[sl * hd + e]
-        out[e] = s / total
-
-
 # ---- the operations: device functions of (instruction, buffers), every thread of the block calls ----
 
 @functools.cache
@@ -196,30 +141,13 @@ def _embed_for(load8):
     return op_embed
 
 
-@cuda.jit(device=True)
-def op_attention(layer, h, p, q, k_cache, v_cache, scores, attn, big, scratch):
-    """Query head h against cache rows 0 .. p of its KV head: softmax(q k / sqrt(hd)) v into attn[h hd ...].
-    big: shared float32 [MAX_K]: the partial sums of the values, the query, and the scores when they fit
-    (p + 1 <= MAX_K - SCORES_AT), else in scores[h], global scratch [H, capacity]. hd <= HEAD_DIM_MAX."""
-    hd, Hkv = k_cache.shape[3], k_cache.shape[2]
-    g = h // (q.shape[0] // hd // Hkv)
-    qs = big[QUERY_AT:SCORES_AT]  # the query, scaled by 1 / sqrt(hd)
-    scale = float32(1) / float32(math.sqrt(hd))
-    for j in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
-        qs[j] = q[h * hd + j] * scale
-    cuda.syncthreads()
-    out = attn[h * hd:(h + 1) * hd]
-    if p + 1 <= MAX_K - SCORES_AT:
-        attend(layer, g, p, qs, k_cache, v_cache, big[SCORES_AT:], out, big, scratch)
-    else:
-        attend(layer, g, p, qs, k_cache, v_cache, scores[h], out, big, scratch)
-
-
 # ---- the interpreter ----
 
-def _make_megakernel(dtype, steps):
+def _make_megakernel(dtype, steps, group, head_dim):
     load8, wpp = LOADERS[dtype], WORDS_PER_PAIR[dtype]
     op_embed = _embed_for(load8)
+    attention = chunk_block_for(f32x8, group, head_dim, PAGE, 1, SEQUENCE_CHUNKS.unroll, WARPS, counted)  # the
+    # five step's flash-decoding body: a query head, its keys in one chunk, waiting by counters
     normed_sums = pair_sums_for(1, steps, wpp == 2, True, counted)  # kernels/row_dot's body, waiting by counters
     plain_sums = pair_sums_for(1, steps, wpp == 2, False, counted)
     rope_store, store, store_add = rope_store_for(False), store_pair_for(False), store_pair_for(True)
@@ -227,8 +155,9 @@ def _make_megakernel(dtype, steps):
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
     def megakernel(ops, waits_start, waits, counter_of, sizes, queue_start, queue, phase, barriers, counters, epoch0,
                    feed, tokens_out, token, stops, position0, temperature_top_p, top_k_seed, eps, cos, sin, embed,
-                   attn_norm, w_qkv, b_qkv, wo, mlp_norm, w_gu, w_down, final_norm, head, x, x_words, q, q2, attn,
-                   attn_words, act2, act_words, logits, logits2, k_cache, v_cache, scores, weights, stamps):
+                   attn_norm, w_qkv, b_qkv, wo, mlp_norm, w_gu, w_down, final_norm, head, x, x_words, q2, q3, attn3,
+                   attn4, attn_words, act2, act_words, logits, logits2, k_cache, v_cache, k_words, v_words, pages,
+                   weights, stamps):
         """len(feed) decode steps (see the module's docstring). ops [n, 4], waits_start, waits, counter_of, sizes,
         queue_start, queue, phase: the program, its counters and its schedule (schedule.encode,
         schedule.counter_tables); barriers: 0 (counters), or the number of phases (the grid-barrier version);
@@ -240,13 +169,13 @@ def _make_megakernel(dtype, steps):
         words, matrices stored a row per output and stacked by layer (kernels/row_dot's layouts): w_qkv [L,
         paired_qkv rows (H + 2 Hkv) hd, d], wo [L, d, H hd], w_gu [L, paired_gate_up rows 2 d_ff, d], w_down [L,
         d, d_ff], head [V, d] (V even), embed [V, d]; b_qkv [L, (H + 2 Hkv) hd] float32 in paired_qkv's order; the
-        norms float32 as words ([L d]). x [1, d] (and its words), q [H hd] (q2: [1, H hd], the same memory), attn
-        [H hd], act2 [1, d_ff], logits [V] (logits2 [1, V]); k_cache, v_cache [L, capacity, Hkv, hd]; scores [H,
-        capacity]; weights uint64 [V] (the sampler's scratch); stamps int64 [n, 3]: for each instruction of the
+        norms float32 as words ([L d]). x [1, d] (and its words); q as q2 [1, H hd] and q3 [1, H, hd], attn as attn3
+        [1, H, hd], attn4 [1, H, 1, hd] and words (views of the same memory); act2 [1, d_ff], logits [V] (logits2
+        [1, V]); k_cache, v_cache [L, rows, Hkv, hd] (and their words; rows a multiple of PAGE), pages: the identity
+        page table [rows / PAGE]; weights uint64 [V] (the sampler's scratch); stamps int64 [n, 3]: for each
+        instruction of the
         last step, the GPU clock (ns) when its block began it (loading its first weights, then waiting), began
         running it, and marked it done."""
-        a = cuda.shared.array(MAX_K, dtype=float32)
-        scratch = cuda.shared.array(32, dtype=float32)
         mine = cuda.shared.array((MAX_QUEUE, 8), dtype=int32)  # this block's instructions, read once
         tid, b = cuda.threadIdx.x, cuda.blockIdx.x
         warp, lane = tid // 32, tid % 32
@@ -258,8 +187,10 @@ def _make_megakernel(dtype, steps):
         cuda.syncthreads()
         sample_counter = counter_of[ops.shape[0] - 1]  # the last instruction: sample
         steps = feed.shape[0]
-        d, d_ff, n_q, n_qkv = x.shape[1], act2.shape[1], q.shape[0], b_qkv.shape[1]
+        d, d_ff, n_q, n_qkv = x.shape[1], act2.shape[1], q2.shape[1], b_qkv.shape[1]
         half = k_cache.shape[3] // 2
+        layer_words = k_cache.shape[1] * k_cache.shape[2] * k_cache.shape[3]  # a layer's table (float32)
+        scale = float32(1) / float32(math.sqrt(k_cache.shape[3]))
         here = cuda.local.array(1, dtype=int32)  # the step's position: the positions and slots of rope_store
         acc = cuda.local.array((1, 2), dtype=float32)
         blocks = cuda.gridDim.x
@@ -293,12 +224,17 @@ def _make_megakernel(dtype, steps):
                     while cuda.atomic.add(counters, sample_counter, 0) < epoch - 1:
                         cuda.nanosleep(POLL_NS)
                 projection = op == QKV or op == O_PROJ or op == GATE_UP or op == DOWN or (op == LOGITS and not fed_next)
-                if not projection:  # (a projection waits inside pair_sums, once its first weights are in flight)
+                if not projection and op != ATTENTION:  # (those wait inside pair_sums and chunk_block, once their
+                    # first weights or keys are in flight)
                     counted((counters, waits, mine[j, 5], mine[j, 6], sizes, epoch, stamps[i]))
                 if op == EMBED:
                     op_embed(feed[t] if feed[t] >= 0 else token[0], embed, x)
-                elif op == ATTENTION:
-                    op_attention(layer, c0, p, q, k_cache, v_cache, scores, attn, a, scratch)
+                elif op == ATTENTION:  # query head c0, keys 0 .. p in one chunk (target = unit = 1): attn3 written.
+                    # The keys before p - 1 load before the wait: step t - 2 ended before this block began step t
+                    # (the block ran an instruction of step t - 1, which waited for the sample of step t - 2)
+                    attention(0, c0, 0, q3, k_words[layer * layer_words:], v_words[layer * layer_words:], pages,
+                              here, max(p - 1, 0), 1, 1, scale, attn3, attn4, attn3, attn3,
+                              (counters, waits, mine[j, 5], mine[j, 6], sizes, epoch, stamps[i]))
                 elif op == SAMPLE:
                     chosen = int32(0)
                     if not fed_next:
@@ -350,7 +286,8 @@ def _make_megakernel(dtype, steps):
 
 
 @functools.cache
-def megakernel_for(dtype, steps: int) -> object:
+def megakernel_for(dtype, steps: int, group: int, head_dim: int) -> object:
     """The megakernel reading weights stored as `dtype` (float32, or bf16 bits as uint16), rows of up to 256 steps
-    elements (steps = ceil(K / 256) for the longest row K of its matrices), built on first use."""
-    return _make_megakernel(np.dtype(dtype), steps)
+    elements (steps = ceil(K / 256) for the longest row K of its matrices), `group` query heads per KV head of
+    head_dim, built on first use."""
+    return _make_megakernel(np.dtype(dtype), steps, group, head_dim)

@@ -15,12 +15,13 @@ import numpy as np
 
 from .. import reference
 from ..kernels import SIMULATOR, compiled_once, cuda, sm_count
+from ..kernels.paged_attention import MAX_GROUP, MAX_GROUP_DIMS, MAX_HEAD_DIM
 from ..kernels.row_dot import output_rows, paired_gate_up, paired_qkv
 from ..kernels.sampling import NO_TOKEN, THREADS, device_settings
 from ..kernels.vector import words
 from ..model.loading import Model
 from ..model.safetensors_io import f32_to_bf16
-from .kernel import HEAD_DIM_MAX, MAX_QUEUE, SLICE_COLS, megakernel_for
+from .kernel import MAX_QUEUE, PAGE, SLICE_COLS, megakernel_for
 from .program import build_program
 from .schedule import assign, cost, counter_tables, encode
 
@@ -33,8 +34,11 @@ def check_shapes(config) -> None:
     c, hd = config, config.head_dim
     problems = [f"{name} = {v} is not a multiple of 8 (16-byte loads)" for name, v in
                 (("d_model", c.d_model), ("d_ff", c.d_ff), ("n_heads * head_dim", c.n_heads * hd)) if v % 8]
-    if hd > HEAD_DIM_MAX or hd % 2:
-        problems.append(f"head_dim = {hd}: attention takes an even head_dim of at most {HEAD_DIM_MAX}")
+    G = c.n_heads // c.n_kv_heads
+    if hd > MAX_HEAD_DIM or hd % 8 or G > MAX_GROUP or G * hd > MAX_GROUP_DIMS or c.n_heads % c.n_kv_heads:
+        problems.append(f"head_dim = {hd} and {G} query heads per KV head: attention (kernels/paged_attention) takes "
+                        f"a head_dim multiple of 8 up to {MAX_HEAD_DIM}, up to {MAX_GROUP} heads per KV head, "
+                        f"{MAX_GROUP_DIMS} of their elements")
     if c.vocab_size % 2:
         problems.append(f"vocab_size = {c.vocab_size} is odd (the logits come in pairs)")
     if problems:
@@ -58,9 +62,9 @@ class MegaState:
     attn: object
     act: object  # [1, d_ff]
     logits: object
-    k_cache: object
+    k_cache: object  # [L, rows, Hkv, hd]: rows = capacity rounded up to whole pages (PAGE)
     v_cache: object
-    scores: object
+    pages: object  # the identity page table of kernels/paged_attention: int32 [rows / PAGE]
     weights: object  # the sampler's scratch
     counters: object  # instructions done per group, over all steps; then the grid barriers passed
     stamps: object  # int64 [n, 3]: clock when each instruction of the last step was waited for, started, done
@@ -68,20 +72,24 @@ class MegaState:
     @classmethod
     def allocate(cls, config, capacity: int, n_instructions: int, n_counters: int) -> MegaState:
         c = config
-        cache = (c.n_layers, capacity, c.n_kv_heads, c.head_dim)
+        rows = -(-capacity // PAGE) * PAGE
+        cache = (c.n_layers, rows, c.n_kv_heads, c.head_dim)
         zeros = lambda shape, dtype=np.float32: cuda.to_device(np.zeros(shape, dtype))  # noqa: E731
         return cls(zeros(1, np.int32), zeros((1, c.d_model)), zeros(c.n_heads * c.head_dim),
                    zeros(c.n_heads * c.head_dim), zeros((1, c.d_ff)), zeros(c.vocab_size), zeros(cache), zeros(cache),
-                   zeros((c.n_heads, capacity)), zeros(c.vocab_size, np.uint64),
+                   cuda.to_device(np.arange(rows // PAGE, dtype=np.int32)), zeros(c.vocab_size, np.uint64),
                    zeros(n_counters + 1, np.int32), zeros((n_instructions, 3), np.int64))
 
     def views(self) -> tuple:
-        """The buffers as the kernel takes them: x, words(x), q, q as [1, H hd], attn, words(attn), act, words(act),
-        logits, logits as [1, V], k_cache, v_cache, scores, weights, stamps."""
-        n_q, V = self.q.shape[0], self.logits.shape[0]
-        return (self.x, words(self.x), self.q, self.q.reshape(1, n_q), self.attn, words(self.attn), self.act,
-                words(self.act), self.logits, self.logits.reshape(1, V), self.k_cache, self.v_cache, self.scores,
-                self.weights, self.stamps)
+        """The buffers as the kernel takes them: x, words(x), q as [1, H hd] and [1, H, hd], attn as [1, H, hd],
+        [1, H, 1, hd] and words, act, words(act), logits, logits as [1, V], k_cache, v_cache, their words, pages,
+        weights, stamps."""
+        L, rows, Hkv, hd = self.k_cache.shape
+        H, V = self.q.shape[0] // hd, self.logits.shape[0]
+        return (self.x, words(self.x), self.q.reshape(1, H * hd), self.q.reshape(1, H, hd),
+                self.attn.reshape(1, H, hd), self.attn.reshape(1, H, 1, hd), words(self.attn), self.act,
+                words(self.act), self.logits, self.logits.reshape(1, V), self.k_cache, self.v_cache,
+                words(self.k_cache), words(self.v_cache), self.pages, self.weights, self.stamps)
 
 
 def stacked_weights(model: Model, dtype: str) -> dict:
@@ -147,7 +155,8 @@ class Megakernel:
         # what the counters gain per step at most: reset before a launch would take them past int32
         self.per_step = self.blocks * self.barriers + int(tables["sizes"].max())
         self.w = stacked_weights(model, weights)
-        self.kernel = megakernel_for(np.uint16 if weights == "bf16" else np.float32, row_steps(c))
+        self.kernel = megakernel_for(np.uint16 if weights == "bf16" else np.float32, row_steps(c),
+                                     c.n_heads // c.n_kv_heads, c.head_dim)
         cos, sin = reference.rope_tables(c, capacity)
         self.cos, self.sin = cuda.to_device(cos), cuda.to_device(sin)
         self.state = MegaState.allocate(c, capacity, len(self.program), len(tables["sizes"]))
