@@ -8,7 +8,7 @@ group has a counter, and an instruction waits for whole groups (`schedule.counte
     wait   a thread per group waited for reads its counter (an atomic: from the L2 cache, never a stale L1 line),
            pausing POLL_NS between reads, until it reaches size x epoch; then an acquire fence and a block barrier
            (the block sees what the other blocks wrote before they counted their instructions)
-    run    the instruction's operation, by every thread of the block (op_embed, op_attention, the projections)
+    run    the instruction's operation, by every thread of the block (op_embed, the attention and projection bodies)
     mark   a block barrier, then thread 0 fences (release: the block's writes before the count) and adds 1 to its
            group's counter (kernels.gpu_fence: acquire and release, not the sequentially consistent threadfence)
 
