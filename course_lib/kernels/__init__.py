@@ -87,6 +87,14 @@ def pick(kernels: dict, w):
 if SIMULATOR:
     def gpu_fence():
         """The simulator's threads share one coherent memory: there is nothing to order."""
+
+    def load_acquire(counters, i):
+        """counters[i] (the simulator's memory is coherent: a plain read)."""
+        return counters[i]
+
+    def add_release(counters, i, value):
+        """counters[i] += value (in the simulator only thread 0 of a block, and one block at a time, counts)."""
+        counters[i] += value
 else:
     from llvmlite import ir
     from numba.cuda import types
@@ -113,6 +121,45 @@ else:
     # where this one is MEMBAR.ALL.GPU; both then invalidate the SM's L1 cache): a counter handed from block to
     # block needs only acquire and release.
     gpu_fence = ptx_statement("fence.acq_rel.gpu;")
+
+    def _counter_address(context, builder, signature, args):
+        """The address of counters[i] (args[0], args[1]) as a 64-bit integer."""
+        array = context.make_array(signature.args[0])(context, builder, value=args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.intp)
+        return builder.add(builder.ptrtoint(array.data, ir.IntType(64)), builder.mul(i, ir.Constant(ir.IntType(64), 4)))
+
+    def _int32_counter(arr, i) -> bool:
+        return isinstance(arr, types.Array) and arr.dtype == types.int32 and isinstance(i, types.Integer)
+
+    @intrinsic
+    def load_acquire(typingctx, counters, i):
+        """counters[i] read with acquire semantics at GPU scope (PTX ld.acquire.gpu: from the L2 cache, and what the
+        thread reads after it is seen after what other threads released before the value it read)."""
+        if not _int32_counter(counters, i):
+            return None
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.IntType(64)]), "ld.acquire.gpu.s32 $0, [$1];",
+                               "=r,l,~{memory}", side_effect=True)
+            return builder.call(asm, [_counter_address(context, builder, signature, args)])
+
+        return types.int32(counters, i), codegen
+
+    @intrinsic
+    def add_release(typingctx, counters, i, value):
+        """counters[i] += value with release semantics at GPU scope (PTX red.release.gpu: the thread's writes, and
+        those ordered before it by a block barrier, are seen before the new count), no value returned."""
+        if not (_int32_counter(counters, i) and isinstance(value, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[2], signature.args[2], types.int32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)]),
+                               "red.release.gpu.add.s32 [$0], $1;", "l,r,~{memory}", side_effect=True)
+            builder.call(asm, [_counter_address(context, builder, signature, args), v])
+            return context.get_dummy_value()
+
+        return types.void(counters, i, value), codegen
 
 
 @cuda.jit(device=True)
@@ -182,6 +229,6 @@ def empty(shape, dtype=np.float32, stream=0, rt=None, name=None):
     return cuda.device_array(shape, dtype, stream=stream) if rt is None else rt.empty(shape, dtype, name=name)
 
 
-__all__ = ["SIMULATOR", "WEIGHT_READERS", "bf16_weight", "cached_view", "compiled_once", "completion_counters", "cuda",
-           "empty", "f32_weight", "for_weight_dtypes", "gpu_fence", "last_to_arrive", "launch", "pick", "reshaped",
-           "sized"]
+__all__ = ["SIMULATOR", "WEIGHT_READERS", "add_release", "bf16_weight", "cached_view", "compiled_once",
+           "completion_counters", "cuda", "empty", "f32_weight", "for_weight_dtypes", "gpu_fence", "last_to_arrive",
+           "launch", "load_acquire", "pick", "reshaped", "sized"]

@@ -5,12 +5,12 @@ order, once per step (its instructions read into shared memory once per launch).
 instructions come in groups (a layer's instructions of one op; a query head's qkv; a KV head's key and value), each
 group has a counter, and an instruction waits for whole groups (`schedule.counter_tables`):
 
-    wait   a thread per group waited for reads its counter (an atomic: from the L2 cache, never a stale L1 line),
-           pausing POLL_NS between reads, until it reaches size x epoch; then an acquire fence and a block barrier
-           (the block sees what the other blocks wrote before they counted their instructions)
+    wait   a thread per group waited for reads its counter with acquire semantics (kernels.load_acquire: from the
+           L2 cache, never a stale L1 line), pausing POLL_NS between reads, until it reaches size x epoch; then a
+           block barrier (the block sees what the other blocks wrote before they counted their instructions)
     run    the instruction's operation, by every thread of the block (op_embed, the attention and projection bodies)
-    mark   a block barrier, then thread 0 fences (release: the block's writes before the count) and adds 1 to its
-           group's counter (kernels.gpu_fence: acquire and release, not the sequentially consistent threadfence)
+    mark   a block barrier, then thread 0 adds 1 to its group's counter with release semantics (kernels.add_release:
+           the block's writes before the count, no value returned and no separate fence)
 
 Epochs make the counters reusable without clearing them: step t of a launch is epoch epoch0 + t + 1, and after E
 steps a counter holds size x E. The first instruction of a step (embed) also waits for the previous step's last
@@ -48,7 +48,7 @@ import time
 import numpy as np
 from numba import float32, int32
 
-from ..kernels import SIMULATOR, cuda, gpu_fence, sized
+from ..kernels import SIMULATOR, add_release, cuda, load_acquire, sized
 from ..kernels.paged_attention import SEQUENCE_CHUNKS, chunk_block_for
 from ..kernels.row_dot import pair_sums_for, rope_store_for, store_pair_for, swiglu_store
 from ..kernels.sampling import THREADS, choose
@@ -106,16 +106,15 @@ def pass_barriers(counters, passed, upto, before):
 @cuda.jit(device=True)
 def counted(ready):
     """Wait for the groups an instruction waits for, ready = (counters, waits, w0, w1, sizes, epoch, stamp): a thread
-    per group waits[w0 .. w1 - 1] polls its counter (an atomic: from the L2 cache) until it reaches size x epoch,
-    then an acquire fence and a block barrier; stamp[1] = the clock. w1 < 0: nothing to wait for (a pass after an
+    per group waits[w0 .. w1 - 1] polls its counter (acquire loads: from the L2 cache) until it reaches size x
+    epoch, then a block barrier; stamp[1] = the clock. w1 < 0: nothing to wait for (a pass after an
     instruction's first: no barrier either). Every thread of the block calls it."""
     counters, waits, w0, w1, sizes, epoch, stamp = ready
     if w1 >= 0:
         for w in range(w0 + cuda.threadIdx.x, w1, cuda.blockDim.x):
             c = waits[w]
-            while cuda.atomic.add(counters, c, 0) < sizes[c] * epoch:
-                cuda.nanosleep(POLL_NS)
-        gpu_fence()  # acquire: what the groups waited for wrote is seen by this thread's reads (each poller)
+            while load_acquire(counters, c) < sizes[c] * epoch:  # acquire: what the group wrote is seen by this
+                cuda.nanosleep(POLL_NS)  # thread's reads after it...
         cuda.syncthreads()  # ... and, through the block barrier, by every thread of the block
         if cuda.threadIdx.x == 0:
             stamp[1] = globaltimer()
@@ -276,9 +275,8 @@ def _make_megakernel(dtype, steps, group, head_dim):
                             else:
                                 store_add(p0 + warp, 0, 1, acc, x)
                 cuda.syncthreads()
-                if tid == 0:
-                    gpu_fence()  # release: the block's writes, ordered before the barrier, before the count
-                    cuda.atomic.add(counters, counter_of[i], 1)
+                if tid == 0:  # release: the block's writes, ordered before the barrier, seen before the count
+                    add_release(counters, counter_of[i], 1)
                     stamps[i, 2] = globaltimer()
             pass_barriers(counters, passed, barriers, before)  # the step's last: the next starts after all of it
 
