@@ -61,7 +61,7 @@ SLICE_COLS = sized(32, 16)  # weight rows of an O, gate/up or down instruction (
 # pair a warp, WARPS pairs a pass
 PAGE = 16  # the cache's rows as pages of kernels/paged_attention (an identity page table): its chunk_block's unit
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
-POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer atomics crowding the L2 cache
+POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer requests crowding the L2 cache
 WARPS = THREADS // 32
 LOADERS = {np.dtype(np.float32): f32x8, np.dtype(np.uint16): bf16x8}  # 8 weights from a uint32 view of the array
 WORDS_PER_PAIR = {np.dtype(np.float32): 2, np.dtype(np.uint16): 1}  # uint32 words of two weights
@@ -200,7 +200,7 @@ def _make_megakernel(dtype, steps, group, head_dim):
             here[0] = p
             if t > 0 and feed[t] < 0 and stops.shape[0] > 0:  # did step t - 1 choose an end token?
                 if tid == 0:
-                    while cuda.atomic.add(counters, sample_counter, 0) < epoch - 1:
+                    while load_acquire(counters, sample_counter) < epoch - 1:
                         cuda.nanosleep(POLL_NS)
                     chosen = cuda.atomic.add(token, 0, 0)  # from the L2 cache: what the sampling block wrote
                     ended[0] = 0
@@ -220,7 +220,7 @@ def _make_megakernel(dtype, steps, group, head_dim):
                 if barriers > 0:
                     passed = pass_barriers(counters, passed, mine[j, 7], before)
                 if op == EMBED and tid == 0 and barriers == 0:  # the previous step is over
-                    while cuda.atomic.add(counters, sample_counter, 0) < epoch - 1:
+                    while load_acquire(counters, sample_counter) < epoch - 1:
                         cuda.nanosleep(POLL_NS)
                 projection = op == QKV or op == O_PROJ or op == GATE_UP or op == DOWN or (op == LOGITS and not fed_next)
                 if not projection and op != ATTENTION:  # (those wait inside pair_sums and chunk_block, once their
