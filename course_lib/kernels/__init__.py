@@ -129,7 +129,9 @@ else:
         return builder.add(builder.ptrtoint(array.data, ir.IntType(64)), builder.mul(i, ir.Constant(ir.IntType(64), 4)))
 
     def _int32_counter(arr, i) -> bool:
-        return isinstance(arr, types.Array) and arr.dtype == types.int32 and isinstance(i, types.Integer)
+        """arr is a contiguous 1-D int32 array and i an integer: element i is 4 i bytes past its start."""
+        return (isinstance(arr, types.Array) and arr.dtype == types.int32 and arr.ndim == 1 and arr.layout == "C"
+                and isinstance(i, types.Integer))
 
     @intrinsic
     def load_acquire(typingctx, counters, i):
