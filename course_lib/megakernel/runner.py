@@ -8,6 +8,7 @@ llama2.c's RunState), the program scheduled on the GPU's SMs, and launches of ma
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -80,10 +81,12 @@ class MegaState:
                    cuda.to_device(np.arange(rows // PAGE, dtype=np.int32)), zeros(c.vocab_size, np.uint64),
                    zeros(n_counters + 1, np.int32), zeros((n_instructions, 3), np.int64))
 
+    @functools.cached_property
     def views(self) -> tuple:
         """The buffers as the kernel takes them: x, words(x), q as [1, H hd] and [1, H, hd], attn as [1, H, hd],
         [1, H, 1, hd] and words, act, words(act), logits, logits as [1, V], k_cache, v_cache, their words, pages,
-        weights, stamps."""
+        weights, stamps. Made once (a new Numba view of an array costs tens of microseconds of host time, at every
+        launch otherwise); they share the buffers' memory."""
         L, rows, Hkv, hd = self.k_cache.shape
         H, V = self.q.shape[0] // hd, self.logits.shape[0]
         return (self.x, words(self.x), self.q.reshape(1, H * hd), self.q.reshape(1, H, hd),
@@ -205,7 +208,7 @@ class Megakernel:
             cuda.to_device(np.asarray(feed, np.int32), stream=self.stream), out, s.token,
             self._stops[stops], np.int32(self.position),
             *self.settings, np.float32(self.config.rms_eps), self.cos, self.sin, w["embed"], w["attn_norm"], w["w_qkv"],
-            w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gu"], w["w_down"], w["final_norm"], w["head"], *s.views())
+            w["b_qkv"], w["wo"], w["mlp_norm"], w["w_gu"], w["w_down"], w["final_norm"], w["head"], *s.views)
         return out
 
     def run_prefix(self, token: int, n: int) -> None:
