@@ -117,6 +117,8 @@ def test_shapes_the_megakernel_cannot_run_are_refused(tiny):
     with pytest.raises(ValueError, match="head_dim = 512"):
         check_shapes(wide)
     check_shapes(tiny.config)
+    with pytest.raises(ValueError, match="an even number"):  # a pair of outputs split between two instructions
+        Megakernel(tiny, 32, cols=15)
 
 
 def test_the_diff_tool_names_the_first_wrong_instruction(tiny):

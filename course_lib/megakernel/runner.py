@@ -143,6 +143,9 @@ class Megakernel:
         check_shapes(c)
         if sync not in SYNCS:
             raise ValueError(f"sync must be one of {', '.join(SYNCS)}, got {sync!r}")
+        if cols < 2 or cols % 2 or vocab_cols < 2 or vocab_cols % 2:
+            raise ValueError(f"cols = {cols}, vocab_cols = {vocab_cols}: the kernel computes outputs in pairs (a warp "
+                             "each), so a slice must hold an even number of them, at least 2")
         self.model, self.capacity = model, capacity
         self.blocks = blocks or (1 if SIMULATOR else sm_count())
         self.program = build_program(c, cols=cols, vocab_cols=vocab_cols)
