@@ -620,7 +620,7 @@ def test_argmax_real(rng, V):
 # ---- every kernel compiles for the H200 (sm_90), even without a GPU ----
 
 _PTX_SCRIPT = r'''
-import importlib.util, os, shutil, subprocess, sys, tempfile
+import importlib.util, os, re, shutil, subprocess, sys, tempfile
 spec = importlib.util.spec_from_file_location("course_lib.device", "course_lib/device.py")
 device = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(device)
@@ -745,11 +745,13 @@ for dtype in (np.float32, np.uint16):  # paged attention: write_rows, flash-deco
     jobs.append((f"write_rows_flat[{dt}]", paged_attention._WRITE_ROWS[dt], f"void({F3}, {dt.name}[:, :, ::1], {I1})"))
     for group, hd, page in ((3, 64, 16), (4, 128, 16), (8, 128, 16), (4, 256, 16), (1, 40, 5)):
         sequence, batch = paged_attention.SEQUENCE_CHUNKS.unroll, paged_attention.BATCH_CHUNKS.unroll
-        chunks, one_launch, _ = paged_attention._chunks_kernels(dt, group, hd, page, group, sequence)
+        heads = paged_attention.SEQUENCE_HEADS or group, paged_attention.BATCH_HEADS or group  # as flash_decode's
+        chunks, one_launch, _ = paged_attention._chunks_kernels(dt, group, hd, page, heads[0], sequence)
         args = f"{F3}, {U1}, {U1}, {I1}, {I1}, int64, int64, float32, {F3}, {F4}, {F3}, {F3}"
         jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, page {page}]", chunks, f"void({args})"))
         if (group, hd) == (3, 64):  # SmolLM2's: a sequence's one launch, a batch's rows (its own unroll)
-            batch_chunks, _, rows = paged_attention._chunks_kernels(dt, group, hd, page, group, batch)
+            batch_chunks = paged_attention._chunks_kernels(dt, group, hd, page, heads[0], batch)[0]
+            rows = paged_attention._chunks_kernels(dt, group, hd, page, heads[1], batch)[2]
             jobs.append((f"flash_decode_chunks[{dt}, G={group}, hd={hd}, a batch's unroll]", batch_chunks,
                          f"void({args})"))  # a batched generator's prefills
             jobs.append((f"flash_decode[{dt}, G={group}, hd={hd}]", one_launch, f"void({args}, {I1})"))
@@ -766,11 +768,12 @@ for dtype in (np.uint16,):  # the megakernel (bf16 weights; float32 weights chan
                  "int64[:, ::1])"))
 jobs.append(("merge_chunks", paged_attention.merge_chunks, f"void({F4}, {F3}, {F3}, {I1}, int64, int64, {F3})"))
 ptxas = shutil.which("ptxas")
-verbose = os.environ.get("PTXAS_VERBOSE") == "1"  # registers and spills of each kernel, printed
+verbose = os.environ.get("PTXAS_VERBOSE") == "1"  # ptxas's report of each kernel (registers, spills), printed
 failed = 0
 for name, kernel, sig in jobs:
-    try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+    try:  # with the kernel's launch bounds, as on the GPU: they cap its registers (65,536 per SM / threads)
+        bounds = getattr(kernel, "targetoptions", {}).get("launch_bounds")
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=bounds)
         if not name.startswith(("sample_", "megakernel")):  # the sampler's draw and thresholds: float64 on purpose
             assert ".f64" not in ptx, "float64 arithmetic (a float literal without float32(...)?)"
         if getattr(kernel, "waits_for_inputs", False):  # may be launched programmatically (kernels/overlap.py)
@@ -779,11 +782,14 @@ for name, kernel, sig in jobs:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
                 f.write(ptx)
                 f.flush()
-                r = subprocess.run([ptxas, "-arch=sm_90", f.name, "-o", os.devnull] + ["-v"] * verbose,
-                                   capture_output=True, text=True)
+                r = subprocess.run([ptxas, "-arch=sm_90", f.name, "-o", os.devnull, "-v"], capture_output=True,
+                                   text=True)
             assert r.returncode == 0, r.stderr[-2000:]
             if verbose:
                 print(r.stderr)
+            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+            if spills and spills.group(1) + spills.group(2) != "00":
+                print("SPILLS", name, bounds, spills.group(1), spills.group(2))
         print("OK", name)
     except Exception as e:
         failed += 1
@@ -796,7 +802,9 @@ sys.exit(1 if failed else 0)
 @pytest.mark.skipif(not SIMULATOR, reason="on a GPU the kernels compile for real in the tests that run them")
 def test_kernels_compile_for_sm90():
     """Compile every kernel to PTX for compute capability 9.0 (H200), in a subprocess without the simulator:
-    the simulator runs kernels as Python and would not notice typing errors or non-constant shared shapes."""
+    the simulator runs kernels as Python and would not notice typing errors or non-constant shared shapes. With
+    ptxas at hand, each is assembled under its launch bounds, as on the GPU, and the kernels that spill registers to
+    local memory there are printed (`pytest -s`; PTXAS_VERBOSE=1 prints ptxas's whole report)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -808,6 +816,7 @@ def test_kernels_compile_for_sm90():
     if "SKIP:" in out:
         pytest.skip(out[out.index("SKIP:"):].splitlines()[0])
     assert r.returncode == 0, out[-6000:]
+    print("".join(line + "\n" for line in out.splitlines() if line.startswith("SPILLS")), end="")
     total = int(out.split("TOTAL ")[1].split()[0])
     assert total >= 50 and out.count("OK ") == total, out
 
