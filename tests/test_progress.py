@@ -44,3 +44,8 @@ def test_results_are_recorded_only_in_the_recording_run(tmp_path, monkeypatch):
     monkeypatch.setenv("COURSE_LIB_RECORD", "1")
     assert records.save("x.json", {"a": 1}) == "saved to data/x.json"
     assert records.load("x.json") == {"a": 1}
+    monkeypatch.setattr(records, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")  # a record named for another card
+    with pytest.raises(ValueError, match="measured on an H200, and this GPU is NVIDIA H100"):
+        records.save("x_h200.json", {"a": 2})
+    assert not (tmp_path / "x_h200.json").exists()
+    assert records.save("x_h100.json", {"a": 2}) == "saved to data/x_h100.json"

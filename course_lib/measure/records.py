@@ -30,10 +30,24 @@ def recording() -> bool:
     return os.environ.get("COURSE_LIB_RECORD") == "1"
 
 
+CARDS = ("h100", "h200")  # the GPUs a record's name may end with (`bench_h200.json`): where its numbers were measured
+
+
 def save(name: str, result: dict) -> str:
-    """Write result to data/<name> when recording; -> a line saying what happened, for the notebook's output."""
+    """Write result to data/<name> when recording; -> a line saying what happened, for the notebook's output. A name
+    that ends with a card (`_h200.json`) is refused on another GPU: the prose beside it says where it was measured."""
     if not recording():
         return f"not saved to data/{name}: this run's numbers stay here (COURSE_LIB_RECORD=1 records them)"
+    card = next((c for c in CARDS if name.endswith(f"_{c}.json")), None)
+    if card is not None and card not in _gpu_name().lower().replace(" ", ""):
+        raise ValueError(f"data/{name} holds numbers measured on an {card.upper()}, and this GPU is "
+                         f"{_gpu_name()}: record them on that card, or under a name that says which card ran them")
     DIR.mkdir(exist_ok=True)
     path(name).write_text(json.dumps(result, indent=1))
     return f"saved to data/{name}"
+
+
+def _gpu_name() -> str:
+    from .bench import gpu_name  # (bench imports the kernels: not needed to read the records)
+
+    return gpu_name()
