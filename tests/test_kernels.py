@@ -788,7 +788,7 @@ for name, kernel, sig in jobs:
             if verbose:
                 print(r.stderr)
             spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-            if spills and spills.group(1) + spills.group(2) != "00":
+            if spills and any(int(n) for n in spills.groups()):
                 print("SPILLS", name, bounds, spills.group(1), spills.group(2))
         print("OK", name)
     except Exception as e:

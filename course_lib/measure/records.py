@@ -39,9 +39,10 @@ def save(name: str, result: dict) -> str:
     if not recording():
         return f"not saved to data/{name}: this run's numbers stay here (COURSE_LIB_RECORD=1 records them)"
     card = next((c for c in CARDS if name.endswith(f"_{c}.json")), None)
-    if card is not None and card not in _gpu_name().lower().replace(" ", ""):
-        raise ValueError(f"data/{name} holds numbers measured on an {card.upper()}, and this GPU is "
-                         f"{_gpu_name()}: record them on that card, or under a name that says which card ran them")
+    gpu = _gpu_name() if card is not None else ""
+    if card is not None and card not in gpu.lower().replace(" ", ""):
+        raise ValueError(f"data/{name} holds numbers measured on an {card.upper()}, and this GPU is {gpu}: record "
+                         "them on that card, or under a name that says which card ran them")
     DIR.mkdir(exist_ok=True)
     path(name).write_text(json.dumps(result, indent=1))
     return f"saved to data/{name}"
