@@ -34,11 +34,12 @@ def model(request):
 
 @pytest.mark.parametrize("config", [SMOLLM2_135M, LLAMA_32_1B], ids=["SmolLM2-135M", "Llama-3.2-1B"])
 def test_dependencies_complete_on_real_shapes(config):
+    assert check_dependencies(build_program(config, cols=16)) == []  # qkv heads in four slices (SmolLM2)
     program = build_program(config)
     assert check_dependencies(program) == []
     per_layer = config.n_heads + 2 * config.n_kv_heads + config.n_heads + 2 * -(-config.d_model // 64) \
-        + -(-config.d_ff // 32)  # qkv heads, attention by query head, o_proj, down, gate_up slices (64 weight rows:
-    # 32 gate and 32 up)
+        + -(-config.d_ff // 32)  # qkv heads (hd = 64: a head's 32 RoPE pairs in one slice of 64 weight rows),
+    # attention by query head, o_proj, down, gate_up slices (64 weight rows: 32 gate and 32 up)
     assert len(program) == 1 + config.n_layers * per_layer + -(-config.vocab_size // 4096) + 1
 
 
@@ -57,9 +58,11 @@ def test_phases_cut_the_step_where_a_grid_barrier_goes(config):
         phases(merged)
 
 
-def test_every_dependency_is_needed(tiny):
-    """Drop any one dependency: check_dependencies finds two instructions left unordered on a shared region."""
-    program = build_program(tiny.config)
+@pytest.mark.parametrize("cols", [64, 8], ids=["whole-heads", "split-heads"])
+def test_every_dependency_is_needed(tiny, cols):
+    """Drop any one dependency: check_dependencies finds two instructions left unordered on a shared region (cols =
+    8: a qkv instruction takes 4 of a head's 8 RoPE pairs)."""
+    program = build_program(tiny.config, cols=cols)
     for i, ins in enumerate(program):
         for d in ins.deps:
             weakened = list(program)
@@ -74,12 +77,13 @@ def test_instructions_wait_only_for_earlier_ones(tiny):
         ancestors(program)
 
 
-def test_twin_computes_the_reference_logits_in_any_order(model, rng):
+@pytest.mark.parametrize("cols", [64, 8], ids=["whole-heads", "split-heads"])
+def test_twin_computes_the_reference_logits_in_any_order(model, rng, cols):
     c = model.config
     ids = rng.integers(0, c.vocab_size, 6)
     ref = reference.forward(model.weights, c, ids, reference.KVCache(c, CAPACITY),
                             reference.rope_tables(c, CAPACITY), all_logits=True)
-    twin = Twin(model, CAPACITY)
+    twin = Twin(model, CAPACITY, cols=cols)
     in_order, shuffled = TwinState.empty(model, CAPACITY), TwinState.empty(model, CAPACITY)
     for i, token in enumerate(ids):
         for state, order in ((in_order, None), (shuffled, random_order(twin.program, rng))):

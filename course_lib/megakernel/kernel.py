@@ -57,8 +57,8 @@ from .schedule import OPCODES
 
 EMBED, QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, LOGITS, SAMPLE = (
     OPCODES[op] for op in ("embed", "qkv", "attention", "o_proj", "gate_up", "down", "logits", "sample"))
-SLICE_COLS = sized(32, 16)  # weight rows of an O, gate/up or down instruction (program.build_program's cols): a
-# pair a warp, WARPS pairs a pass
+SLICE_COLS = sized(32, 16)  # weight rows of a projection instruction (program.build_program's cols): a pair a
+# warp, WARPS pairs a pass
 PAGE = 16  # the cache's rows as pages of kernels/paged_attention (an identity page table): its chunk_block's unit
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
 POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer requests crowding the L2 cache
@@ -187,7 +187,6 @@ def _make_megakernel(dtype, steps, group, head_dim):
         sample_counter = counter_of[ops.shape[0] - 1]  # the last instruction: sample
         steps = feed.shape[0]
         d, d_ff, n_q, n_qkv = x.shape[1], act2.shape[1], q2.shape[1], b_qkv.shape[1]
-        half = k_cache.shape[3] // 2
         layer_words = k_cache.shape[1] * k_cache.shape[2] * k_cache.shape[3]  # a layer's table (float32)
         scale = float32(1) / float32(math.sqrt(k_cache.shape[3]))
         here = cuda.local.array(1, dtype=int32)  # the step's position: the positions and slots of rope_store
@@ -243,8 +242,8 @@ def _make_megakernel(dtype, steps, group, head_dim):
                         token[0] = chosen
                         tokens_out[t] = chosen
                 elif projection:  # pairs P0 .. P1 of a matrix of rows [2 pairs, K], a pair a warp, WARPS a pass
-                    if op == QKV:  # head c0
-                        P0, P1, K, src, gamma = c0 * half, (c0 + 1) * half, d, x_words, attn_norm[layer * d:]
+                    if op == QKV:  # RoPE pairs c0 .. c1 - 1 (of one head)
+                        P0, P1, K, src, gamma = c0, c1, d, x_words, attn_norm[layer * d:]
                         w = w_qkv[layer * n_qkv * d * wpp // 2:]
                     elif op == O_PROJ:  # (gamma: not read without a norm)
                         P0, P1, K, src, gamma = c0 // 2, c1 // 2, n_q, attn_words, attn_norm[0:]

@@ -3,8 +3,10 @@
 A step is cut into instructions, each a fused operation on a slice of work, with the instructions it waits for
 (after Hazy Research's low-latency megakernel). For layer l:
 
-    qkv(l, head)        the layer's RMSNorm of x, then x's projection onto one head of Q, K or V (+ bias), RoPE
-                        for Q and K, and K, V written into the cache at the current position
+    qkv(l, pairs)       the layer's RMSNorm of x, then x's projection onto RoPE pairs p0 .. p1 - 1 of one head of
+                        Q, K or V (pair p: outputs i and i + hd / 2 of head p // (hd / 2), i = p % (hd / 2), the
+                        order of kernels/row_dot.paired_qkv) (+ bias), rotated for Q and K, K and V written into the
+                        cache at the current position
     attention(l, h)     query head h against its KV head's cache, rows 0 .. position
     o_proj(l, cols)     x[cols] += attn @ Wo[:, cols]          (the residual added in the reduction)
     gate_up(l, cols)    act[cols] = SiLU(norm(x) @ Wg[:, cols]) * (norm(x) @ Wu[:, cols])
@@ -25,8 +27,8 @@ from ..model.config import ModelConfig
 
 @dataclass(frozen=True)
 class Access:
-    """Elements start .. stop - 1 of a named buffer. The KV cache is indexed by (layer, KV head): index
-    layer * n_kv_heads + head stands for all the rows of that head in that layer."""
+    """Elements start .. stop - 1 of a named buffer. The KV cache is indexed by (layer, KV head, dimension): index
+    (layer * n_kv_heads + head) * head_dim + i stands for dimension i of that head in every row of that layer."""
 
     buffer: str
     start: int
@@ -40,7 +42,7 @@ class Access:
 class Instruction:
     op: str  # embed, qkv, attention, o_proj, gate_up, down, logits, sample
     layer: int  # -1 outside the layers
-    start: int  # the slice of work: heads (qkv over the Q, K, V heads in turn; attention over the query heads) or
+    start: int  # the slice of work: RoPE pairs (qkv, over the Q, K, V heads in turn), query heads (attention) or
     stop: int  # output columns (o_proj, gate_up, down, logits)
     deps: tuple[int, ...]  # indices of the instructions this one waits for
     reads: tuple[Access, ...]
@@ -58,8 +60,9 @@ def slices(n: int, width: int) -> list[tuple[int, int]]:
 
 def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -> list[Instruction]:
     """The instructions of one decode step, in an order the dependencies allow. cols: weight rows (outputs of a
-    matrix product) per o_proj, gate_up and down instruction: cols columns of x for o_proj and down, cols / 2 of act
-    for gate_up (each the product of a gate and an up column); vocab_cols: per logits instruction."""
+    matrix product) per projection instruction: cols columns of x for o_proj and down, cols / 2 of act for gate_up
+    (each the product of a gate and an up column), cols / 2 RoPE pairs of a head for qkv (a head's hd / 2 pairs at
+    most: a qkv instruction stays inside one head); vocab_cols: per logits instruction."""
     c = config
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
     group = H // Hkv
@@ -74,23 +77,24 @@ def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -
     before = [embed]  # what the next layer's first instructions wait for: every writer of x
     for layer in range(c.n_layers):
         kv = layer * Hkv
-        heads = []
+        heads = {}  # head -> its qkv instructions
+        half = hd // 2
         for h in range(H + 2 * Hkv):  # Q heads, then K heads, then V heads
             if h < H:
-                out = Access("q", h * hd, (h + 1) * hd)
-            elif h < H + Hkv:
-                out = Access("k_cache", kv + h - H, kv + h - H + 1)
+                out, at = "q", h * hd
             else:
-                out = Access("v_cache", kv + h - H - Hkv, kv + h - H - Hkv + 1)
-            heads.append(add("qkv", layer, h, h + 1, before, [x_all, Access("position", 0, 1)], [out]))
+                out, at = ("k_cache", "v_cache")[(h - H) // Hkv], (kv + (h - H) % Hkv) * hd
+            heads[h] = [add("qkv", layer, h * half + s, h * half + e, before, [x_all, Access("position", 0, 1)],
+                            [Access(out, at + s, at + e), Access(out, at + half + s, at + half + e)])
+                        for s, e in slices(half, max(1, cols // 2))]
         attention = []
         for h in range(H):  # each waits for its query head, its KV head's key and value
             g = h // group
-            waits = [heads[h], heads[H + g], heads[H + Hkv + g]]
-            head = (h * hd, (h + 1) * hd)
+            waits = heads[h] + heads[H + g] + heads[H + Hkv + g]
+            head, cache = (h * hd, (h + 1) * hd), ((kv + g) * hd, (kv + g + 1) * hd)
             attention.append(add("attention", layer, h, h + 1, waits,
-                                 [Access("q", *head), Access("k_cache", kv + g, kv + g + 1),
-                                  Access("v_cache", kv + g, kv + g + 1), Access("position", 0, 1)],
+                                 [Access("q", *head), Access("k_cache", *cache), Access("v_cache", *cache),
+                                  Access("position", 0, 1)],
                                  [Access("attn", *head)]))
         o_proj = [add("o_proj", layer, s, e, attention, [Access("attn", 0, H * hd), Access("x", s, e)],
                       [Access("x", s, e)]) for s, e in slices(c.d_model, cols)]

@@ -28,8 +28,8 @@ OPCODES = {"embed": 0, "qkv": 1, "attention": 2, "o_proj": 3, "gate_up": 4, "dow
 def bytes_read(ins: Instruction, config: ModelConfig, context: int, weight_bytes: int = 2) -> int:
     """Bytes of weights and cache an instruction reads (activations are small: they come from the L2 cache)."""
     c, n = config, ins.stop - ins.start
-    if ins.op == "qkv":
-        return c.d_model * c.head_dim * weight_bytes
+    if ins.op == "qkv":  # n RoPE pairs: 2 n weight rows
+        return c.d_model * 2 * n * weight_bytes
     if ins.op == "attention":
         return 2 * context * c.head_dim * weight_bytes  # keys and values of one KV head
     if ins.op in ("o_proj", "down"):
@@ -145,11 +145,11 @@ def encode(program: list[Instruction], queues: list[list[int]]) -> dict[str, np.
 
 def producer_group(ins: Instruction, config: ModelConfig) -> tuple:
     """The group of instructions whose completion one counter counts: a layer's instructions of one op; for qkv, a
-    query head alone, or the key and value heads of one KV head (what an attention instruction reads: its query
-    head's group and its KV head's)."""
+    query head's, or the key and value heads' of one KV head (what an attention instruction reads: its query head's
+    group and its KV head's)."""
     if ins.op != "qkv":
         return ins.op, ins.layer
-    H, Hkv, h = config.n_heads, config.n_kv_heads, ins.start
+    H, Hkv, h = config.n_heads, config.n_kv_heads, ins.start // (config.head_dim // 2)
     return ("qkv", ins.layer, "q", h) if h < H else ("qkv", ins.layer, "kv", (h - H) % Hkv)
 
 

@@ -62,17 +62,19 @@ class Twin:
         hd, pos = c.head_dim, int(s.position[0])
         if ins.op == "embed":
             s.x[:] = reference.embedding(w.embed, s.token)[0]
-        elif ins.op == "qkv":
-            lw, h = w.layers[ins.layer], ins.start
+        elif ins.op == "qkv":  # RoPE pairs start .. stop - 1: dimensions i and i + hd / 2 of one head
+            lw, half = w.layers[ins.layer], hd // 2
+            h, i0 = divmod(ins.start, half)
+            dims = np.r_[i0:ins.stop - h * half, half + i0:half + ins.stop - h * half]
             x = reference.rms_norm(s.x[None], lw.attn_norm, c.rms_eps)
             (weight, bias, j), kind = _head(lw, h, c)
             y = reference.linear(x, weight[:, j * hd:(j + 1) * hd], None if bias is None else bias[j * hd:(j + 1) * hd])
             if kind != "v":
                 y = reference.rope(y.reshape(1, 1, hd), self.rope[0][pos:pos + 1], self.rope[1][pos:pos + 1])
             if kind == "q":
-                s.q[j * hd:(j + 1) * hd] = y.reshape(hd)
+                s.q[j * hd + dims] = y.reshape(hd)[dims]
             else:
-                (s.k_cache if kind == "k" else s.v_cache)[ins.layer, pos, j] = y.reshape(hd)
+                (s.k_cache if kind == "k" else s.v_cache)[ins.layer, pos, j, dims] = y.reshape(hd)[dims]
         elif ins.op == "attention":
             h = ins.start
             g, head = h // (c.n_heads // c.n_kv_heads), slice(h * hd, (h + 1) * hd)
@@ -156,8 +158,9 @@ class Twin:
     def _region(self, state: TwinState, access) -> np.ndarray:
         buf = getattr(state, access.buffer)
         if access.buffer in ("k_cache", "v_cache"):  # a qkv instruction writes the row of the current position
-            layer, head = divmod(access.start, self.config.n_kv_heads)
-            return buf[layer, int(state.position[0]), head]
+            hd = self.config.head_dim
+            (layer, head), i = divmod(access.start // hd, self.config.n_kv_heads), access.start % hd
+            return buf[layer, int(state.position[0]), head, i:i + access.stop - access.start]
         return buf[access.start:access.stop]
 
 
