@@ -25,14 +25,16 @@ chunk of ROWS rows, grid z), so a token gets the same bits alone, inside a promp
 
 Each kernel is a thin wrapper around two device functions of (pair index, buffers): `pair_sums_for(...)`, the dot
 products, and an epilogue (`store_pair_for`, `rope_store_for`, `swiglu_store`), called by lane 0. The megakernel
-calls the same bodies, with its own wait (counters) where a launched kernel waits for the kernel before.
+calls the same bodies, with its own wait (counters) where a launched kernel waits for the kernel before. The QKV
+projection's wait also fetches its epilogue's operands (`rope_fetch_for`: the bias, the cache slot, the cos and sin
+at the row's position), which then arrive while the products run, not after them.
 """
 
 import functools
 import math
 
 import numpy as np
-from numba import float32, uint32
+from numba import float32, int32, uint32
 
 from course_lib.kernels import cuda, f32_weight, launch, sized
 from course_lib.kernels.elementwise import rotated_first, rotated_second, segment_sum, silu_times
@@ -170,15 +172,42 @@ def store_pair_for(accumulate):
 
 
 @functools.cache
+def rope_fetch_for(wait):
+    """The wait of pair_sums for the QKV projection: wait(inner), then pair p's RoPE operands loaded into `pre`
+    while the dot products run, ready = (inner, (p, pairs, lo, count, bias, cos, sin, positions, slots, pre,
+    pre_slots)): pre[r] = (bias of output i, bias of output i + hd / 2, cos, sin) of row lo + r at positions[lo + r]
+    and pre_slots[r] = slots[lo + r], for r < count and p < pairs. Without a bias (length 0) it is -0, which adds
+    nothing to any float, -0 included. Positions and slots are the step's inputs (written by the kernel before, or
+    the step before): read after the wait, they cost a memory latency while the products run instead of two (the
+    position, then its cos and sin) after them."""
+
+    @cuda.jit(device=True)
+    def rope_fetch(ready):
+        inner, (p, pairs, lo, count, bias, cos, sin, positions, slots, pre, pre_slots) = ready
+        wait(inner)
+        if p < pairs:
+            i = p % cos.shape[1]
+            for r in range(pre.shape[0]):
+                if r < count:
+                    at = positions[lo + r]
+                    pre[r, 0] = bias[2 * p] if bias.shape[0] > 0 else float32(-0.0)
+                    pre[r, 1] = bias[2 * p + 1] if bias.shape[0] > 0 else float32(-0.0)
+                    pre[r, 2], pre[r, 3] = cos[at, i], sin[at, i]
+                    pre_slots[r] = slots[lo + r]
+
+    return rope_fetch
+
+
+@functools.cache
 def rope_store_for(kv_bf16):
-    """rope_store(p, lo, count, acc, bias, cos, sin, k_table, v_table, positions, slots, q): pair p of paired_qkv's
-    rows (outputs i and i + hd / 2 of head p // (hd / 2)) + bias (length 0: none), rotated by RoPE at positions[t]
-    on a q or k head, q stored to q [T, H hd], k and v to row slots[t] of k_table, v_table [rows, Hkv, hd] (bf16
-    bits when kv_bf16; a slot < 0 is skipped)."""
+    """rope_store(p, lo, count, acc, pre, pre_slots, k_table, v_table, q): pair p of paired_qkv's rows (outputs i and
+    i + hd / 2 of head p // (hd / 2)) + bias, rotated by RoPE on a q or k head, q stored to q [T, H hd], k and v to
+    row pre_slots[r] of k_table, v_table [rows, Hkv, hd] (bf16 bits when kv_bf16; a slot < 0 is skipped), with the
+    bias, cos and sin of each row in pre (rope_fetch_for)."""
     store_kv = f32_to_bf16_bits if kv_bf16 else f32_weight
 
     @cuda.jit(device=True)
-    def rope_store(p, lo, count, acc, bias, cos, sin, k_table, v_table, positions, slots, q):
+    def rope_store(p, lo, count, acc, pre, pre_slots, k_table, v_table, q):
         hd = k_table.shape[2]
         half = hd // 2
         i = p % half
@@ -187,21 +216,18 @@ def rope_store_for(kv_bf16):
         for r in range(acc.shape[0]):
             if r < count:
                 t = lo + r
-                y0, y1 = acc[r, 0], acc[r, 1]
-                if bias.shape[0] > 0:
-                    y0 += bias[2 * p]
-                    y1 += bias[2 * p + 1]
+                y0, y1 = acc[r, 0] + pre[r, 0], acc[r, 1] + pre[r, 1]
                 if n < n_q + n_kv:  # a q or k head
-                    c, s = cos[positions[t], i], sin[positions[t], i]
+                    c, s = pre[r, 2], pre[r, 3]
                     y0, y1 = rotated_first(y0, y1, c, s), rotated_second(y0, y1, c, s)
                 if n < n_q:
                     q[t, n] = y0
                     q[t, n + half] = y1
-                elif slots[t] >= 0:
+                elif pre_slots[r] >= 0:
                     j = (n - n_q) % n_kv
                     table = k_table if n < n_q + n_kv else v_table
-                    table[slots[t], j // hd, j % hd] = store_kv(y0)
-                    table[slots[t], j // hd, j % hd + half] = store_kv(y1)
+                    table[pre_slots[r], j // hd, j % hd] = store_kv(y0)
+                    table[pre_slots[r], j // hd, j % hd + half] = store_kv(y1)
 
     return rope_store
 
@@ -243,16 +269,20 @@ def project_kernel(rows, steps, wide, normed, accumulate):
 
 @functools.cache
 def qkv_rope_kernel(rows, steps, wide, normed, kv_bf16):
-    pair_sums, rope_store = pair_sums_for(rows, steps, wide, normed), rope_store_for(kv_bf16)
+    pair_sums = pair_sums_for(rows, steps, wide, normed, rope_fetch_for(launched_inputs))
+    rope_store = rope_store_for(kv_bf16)
 
     def qkv_rope_rows(pairs, per_row, a_words, T, gamma_words, eps, w_words, bias, cos, sin, k_table, v_table,
                       positions, slots, q):
-        """rope_store of pair_sums (see there). Grid as project_rows."""
+        """rope_store of pair_sums (see there), its operands fetched while the sums run. Grid as project_rows."""
         acc = cuda.local.array((rows, 2), dtype=float32)
+        pre = cuda.local.array((rows, 4), dtype=float32)
+        pre_slots = cuda.local.array(rows, dtype=int32)
         p, lo, count = pair_of_warp(T)
-        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc, 0)
+        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc,
+                  (0, (p, pairs, lo, count, bias, cos, sin, positions, slots, pre, pre_slots)))
         if p < pairs and cuda.threadIdx.x % 32 == 0:
-            rope_store(p, lo, count, acc, bias, cos, sin, k_table, v_table, positions, slots, q)
+            rope_store(p, lo, count, acc, pre, pre_slots, k_table, v_table, q)
 
     return waits_for_inputs(cuda.jit(qkv_rope_rows))
 

@@ -50,7 +50,7 @@ from numba import float32, int32
 
 from ..kernels import SIMULATOR, add_release, cuda, load_acquire, sized
 from ..kernels.paged_attention import SEQUENCE_CHUNKS, chunk_block_for
-from ..kernels.row_dot import pair_sums_for, rope_store_for, store_pair_for, swiglu_store
+from ..kernels.row_dot import pair_sums_for, rope_fetch_for, rope_store_for, store_pair_for, swiglu_store
 from ..kernels.sampling import THREADS, choose
 from ..kernels.vector import bf16x8, f32x8
 from .schedule import OPCODES
@@ -149,6 +149,7 @@ def _make_megakernel(dtype, steps, group, head_dim):
     # five step's flash-decoding body: a query head, its keys in one chunk, waiting by counters
     normed_sums = pair_sums_for(1, steps, wpp == 2, True, counted)  # kernels/row_dot's body, waiting by counters
     plain_sums = pair_sums_for(1, steps, wpp == 2, False, counted)
+    qkv_sums = pair_sums_for(1, steps, wpp == 2, True, rope_fetch_for(counted))  # RoPE's operands fetched too
     rope_store, store, store_add = rope_store_for(False), store_pair_for(False), store_pair_for(True)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
@@ -191,6 +192,8 @@ def _make_megakernel(dtype, steps, group, head_dim):
         scale = float32(1) / float32(math.sqrt(k_cache.shape[3]))
         here = cuda.local.array(1, dtype=int32)  # the step's position: the positions and slots of rope_store
         acc = cuda.local.array((1, 2), dtype=float32)
+        pre = cuda.local.array((1, 4), dtype=float32)  # a qkv pair's bias, cos and sin (rope_fetch_for)
+        pre_slots = cuda.local.array(1, dtype=int32)
         blocks = cuda.gridDim.x
         ended = cuda.shared.array(1, dtype=int32)
         for t in range(steps):
@@ -261,12 +264,14 @@ def _make_megakernel(dtype, steps, group, head_dim):
                         pair = (counters, waits, mine[j, 5], w1, sizes, epoch, stamps[i])  # counted's `ready`
                         if op == O_PROJ or op == DOWN:
                             plain_sums(p0 + warp, P1, K // 8, src, 0, 1, gamma, eps, w, acc, pair)
+                        elif op == QKV:  # the cache's row is the position (an identity page table)
+                            qkv_sums(p0 + warp, P1, K // 8, src, 0, 1, gamma, eps, w, acc,
+                                     (pair, (p0 + warp, P1, 0, 1, b_qkv[layer], cos, sin, here, here, pre, pre_slots)))
                         else:
                             normed_sums(p0 + warp, P1, K // 8, src, 0, 1, gamma, eps, w, acc, pair)
                         if p0 + warp < P1 and lane == 0:
                             if op == QKV:
-                                rope_store(p0 + warp, 0, 1, acc, b_qkv[layer], cos, sin, k_cache[layer],
-                                           v_cache[layer], here, here, q2)
+                                rope_store(p0 + warp, 0, 1, acc, pre, pre_slots, k_cache[layer], v_cache[layer], q2)
                             elif op == GATE_UP:
                                 swiglu_store(p0 + warp, 0, 1, acc, act2)
                             elif op == LOGITS:
