@@ -27,7 +27,8 @@ Each kernel is a thin wrapper around two device functions of (pair index, buffer
 products, and an epilogue (`store_pair_for`, `rope_store_for`, `swiglu_store`), called by lane 0. The megakernel
 calls the same bodies, with its own wait (counters) where a launched kernel waits for the kernel before. The QKV
 projection's wait also fetches its epilogue's operands (`rope_fetch_for`: the bias, the cache slot, the cos and sin
-at the row's position), which then arrive while the products run, not after them.
+at the row's position), and a projection added into the residual stream the stream's values (`residual_fetch_for`):
+they arrive while the products run, not after them.
 """
 
 import functools
@@ -154,17 +155,37 @@ def pair_sums_for(rows, steps, wide, normed, wait=launched_inputs):
 # ---- epilogues: what lane 0 of the warp of pair p does with acc[r, side] (rows lo .. lo + count - 1) ----
 
 @functools.cache
-def store_pair_for(accumulate):
-    """store_pair(p, lo, count, acc, out): out[lo + r, 2p + side] = acc[r, side] (added into out when accumulate:
-    the residual stream), out [T, N]."""
+def residual_fetch_for(wait):
+    """The wait of pair_sums for a projection added into the residual stream: wait(inner), then the outputs' current
+    values loaded into `pre` while the dot products run, ready = (inner, (p, pairs, lo, count, out, pre)):
+    pre[r, side] = out[lo + r, 2p + side] for r < count and p < pairs (store_pair_for(True) adds them)."""
 
     @cuda.jit(device=True)
-    def store_pair(p, lo, count, acc, out):
+    def residual_fetch(ready):
+        inner, (p, pairs, lo, count, out, pre) = ready
+        wait(inner)
+        if p < pairs:
+            for r in range(pre.shape[0]):
+                if r < count:
+                    for side in range(2):
+                        pre[r, side] = out[lo + r, 2 * p + side]
+
+    return residual_fetch
+
+
+@functools.cache
+def store_pair_for(accumulate):
+    """store_pair(p, lo, count, acc, pre, out): out[lo + r, 2p + side] = acc[r, side], out [T, N]; when
+    accumulate, pre[r, side] + acc[r, side] (pre: out's values before, fetched by residual_fetch_for: the residual
+    stream)."""
+
+    @cuda.jit(device=True)
+    def store_pair(p, lo, count, acc, pre, out):
         for r in range(acc.shape[0]):
             if r < count:
                 for side in range(2):
                     if accumulate:
-                        out[lo + r, 2 * p + side] += acc[r, side]
+                        out[lo + r, 2 * p + side] = pre[r, side] + acc[r, side]
                     else:
                         out[lo + r, 2 * p + side] = acc[r, side]
 
@@ -252,16 +273,19 @@ def pair_of_warp(T):
 
 @functools.cache
 def project_kernel(rows, steps, wide, normed, accumulate):
-    pair_sums, store = pair_sums_for(rows, steps, wide, normed), store_pair_for(accumulate)
+    wait = residual_fetch_for(launched_inputs) if accumulate else launched_inputs  # (which ignores `ready`)
+    pair_sums, store = pair_sums_for(rows, steps, wide, normed, wait), store_pair_for(accumulate)
 
     def project_rows(pairs, per_row, a_words, T, gamma_words, eps, w_words, out):
-        """out[t, n] (+)= h[t] . W[n] (pair_sums), out [T, N]: added into out when accumulate (the residual stream).
-        Grid (ceil(N / 2 / WARPS), ceil(T / ROWS)), THREADS."""
+        """out[t, n] (+)= h[t] . W[n] (pair_sums), out [T, N]: added into out when accumulate (the residual stream,
+        its values fetched while the sums run). Grid (ceil(N / 2 / WARPS), ceil(T / ROWS)), THREADS."""
         acc = cuda.local.array((rows, 2), dtype=float32)
+        pre = cuda.local.array((rows, 2), dtype=float32)
         p, lo, count = pair_of_warp(T)
-        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc, 0)
+        pair_sums(p, pairs, per_row, a_words, lo, count, gamma_words, eps, w_words, acc,
+                  (0, (p, pairs, lo, count, out, pre)))
         if p < pairs and cuda.threadIdx.x % 32 == 0:
-            store(p, lo, count, acc, out)
+            store(p, lo, count, acc, pre, out)
 
     project_rows.__name__ = project_rows.__qualname__ = "project_rows" + ("_add" if accumulate else "")
     return waits_for_inputs(cuda.jit(project_rows))

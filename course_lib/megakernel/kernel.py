@@ -50,7 +50,14 @@ from numba import float32, int32
 
 from ..kernels import SIMULATOR, add_release, cuda, load_acquire, sized
 from ..kernels.paged_attention import SEQUENCE_CHUNKS, chunk_block_for
-from ..kernels.row_dot import pair_sums_for, rope_fetch_for, rope_store_for, store_pair_for, swiglu_store
+from ..kernels.row_dot import (
+    pair_sums_for,
+    residual_fetch_for,
+    rope_fetch_for,
+    rope_store_for,
+    store_pair_for,
+    swiglu_store,
+)
 from ..kernels.sampling import THREADS, choose
 from ..kernels.vector import bf16x8, f32x8
 from .schedule import OPCODES
@@ -148,7 +155,7 @@ def _make_megakernel(dtype, steps, group, head_dim):
     attention = chunk_block_for(f32x8, group, head_dim, PAGE, 1, SEQUENCE_CHUNKS.unroll, WARPS, counted)  # the
     # five step's flash-decoding body: a query head, its keys in one chunk, waiting by counters
     normed_sums = pair_sums_for(1, steps, wpp == 2, True, counted)  # kernels/row_dot's body, waiting by counters
-    plain_sums = pair_sums_for(1, steps, wpp == 2, False, counted)
+    added_sums = pair_sums_for(1, steps, wpp == 2, False, residual_fetch_for(counted))  # x's values fetched too
     qkv_sums = pair_sums_for(1, steps, wpp == 2, True, rope_fetch_for(counted))  # RoPE's operands fetched too
     rope_store, store, store_add = rope_store_for(False), store_pair_for(False), store_pair_for(True)
 
@@ -192,7 +199,8 @@ def _make_megakernel(dtype, steps, group, head_dim):
         scale = float32(1) / float32(math.sqrt(k_cache.shape[3]))
         here = cuda.local.array(1, dtype=int32)  # the step's position: the positions and slots of rope_store
         acc = cuda.local.array((1, 2), dtype=float32)
-        pre = cuda.local.array((1, 4), dtype=float32)  # a qkv pair's bias, cos and sin (rope_fetch_for)
+        pre = cuda.local.array((1, 4), dtype=float32)  # a qkv pair's bias, cos and sin (rope_fetch_for), or the
+        # residual's two values (residual_fetch_for)
         pre_slots = cuda.local.array(1, dtype=int32)
         blocks = cuda.gridDim.x
         ended = cuda.shared.array(1, dtype=int32)
@@ -263,7 +271,8 @@ def _make_megakernel(dtype, steps, group, head_dim):
                         w1 = mine[j, 6] if p0 == P0 else -1
                         pair = (counters, waits, mine[j, 5], w1, sizes, epoch, stamps[i])  # counted's `ready`
                         if op == O_PROJ or op == DOWN:
-                            plain_sums(p0 + warp, P1, K // 8, src, 0, 1, gamma, eps, w, acc, pair)
+                            added_sums(p0 + warp, P1, K // 8, src, 0, 1, gamma, eps, w, acc,
+                                       (pair, (p0 + warp, P1, 0, 1, x, pre)))
                         elif op == QKV:  # the cache's row is the position (an identity page table)
                             qkv_sums(p0 + warp, P1, K // 8, src, 0, 1, gamma, eps, w, acc,
                                      (pair, (p0 + warp, P1, 0, 1, b_qkv[layer], cos, sin, here, here, pre, pre_slots)))
@@ -275,9 +284,9 @@ def _make_megakernel(dtype, steps, group, head_dim):
                             elif op == GATE_UP:
                                 swiglu_store(p0 + warp, 0, 1, acc, act2)
                             elif op == LOGITS:
-                                store(p0 + warp, 0, 1, acc, logits2)
+                                store(p0 + warp, 0, 1, acc, pre, logits2)
                             else:
-                                store_add(p0 + warp, 0, 1, acc, x)
+                                store_add(p0 + warp, 0, 1, acc, pre, x)
                 cuda.syncthreads()
                 if tid == 0:  # release: the block's writes, ordered before the barrier, seen before the count
                     add_release(counters, counter_of[i], 1)
