@@ -155,3 +155,8 @@ def test_bad_shapes_are_refused(rng):
         rd.project(dev(randn(rng, 1, 64)), rows, poisoned((1, 9)))
     with pytest.raises(ValueError, match="norm's weights"):
         rd.project(dev(randn(rng, 1, 64)), rows, poisoned((1, 8)), (dev(randn(rng, 32)), EPS))
+    hd, table = 8, dev(np.zeros((4, 1, 8), np.float32))  # 2 query heads and 1 KV head of 8: 32 outputs
+    full = dev(randn(rng, 4, hd))  # cos and sin as wide as a head, not half of it: the pairs' angles
+    with pytest.raises(ValueError, match="hd / 2"):
+        rd.qkv_rope(dev(randn(rng, 1, 64)), dev(rd.paired_qkv(randn(rng, 64, 32), hd)), None, None, full, full,
+                    dev(np.zeros(1, np.int32)), dev(np.zeros(1, np.int32)), poisoned((1, 16)), table, table)

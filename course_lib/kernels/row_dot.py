@@ -371,9 +371,11 @@ def qkv_rope(x, w_rows, bias, norm, cos, sin, positions, slots, q, k_table, v_ta
     hd = k_table.shape[2]
     if (q.shape != (T, N - 2 * k_table.shape[1] * hd) or v_table.shape != k_table.shape or v_table.dtype !=
             k_table.dtype or positions.shape != (T,) or slots.shape != (T,) or hd % 2 or
+            cos.shape[1:] != (hd // 2,) or sin.shape != cos.shape or
             (bias is not None and (bias.shape != (N,) or np.dtype(bias.dtype) != np.float32))):
         raise ValueError(f"qkv_rope: x {x.shape}, rows {w_rows.shape}, q {q.shape}, k_table {k_table.shape}, "
-                         f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}, bias "
+                         f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}, cos "
+                         f"{cos.shape} and sin {sin.shape} (positions x hd / 2), bias "
                          f"{None if bias is None else (bias.shape, bias.dtype)} (float32)")
     kv_bf16 = np.dtype(k_table.dtype) == np.uint16
     bias = no_bias() if bias is None else bias

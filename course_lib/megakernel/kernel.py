@@ -197,7 +197,7 @@ def _make_megakernel(dtype, steps, group, head_dim):
         d, d_ff, n_q, n_qkv = x.shape[1], act2.shape[1], q2.shape[1], b_qkv.shape[1]
         layer_words = k_cache.shape[1] * k_cache.shape[2] * k_cache.shape[3]  # a layer's table (float32)
         scale = float32(1) / float32(math.sqrt(k_cache.shape[3]))
-        here = cuda.local.array(1, dtype=int32)  # the step's position: the positions and slots of rope_store
+        here = cuda.local.array(1, dtype=int32)  # the step's position: the positions and slots of rope_fetch
         acc = cuda.local.array((1, 2), dtype=float32)
         pre = cuda.local.array((1, 4), dtype=float32)  # a qkv pair's bias, cos and sin (rope_fetch_for), or the
         # residual's two values (residual_fetch_for)
