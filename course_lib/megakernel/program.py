@@ -65,7 +65,7 @@ def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -
     most: a qkv instruction stays inside one head); vocab_cols: per logits instruction."""
     c = config
     H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
-    group = H // Hkv
+    group, half = H // Hkv, hd // 2
     program: list[Instruction] = []
 
     def add(op, layer, start, stop, deps, reads, writes) -> int:
@@ -78,7 +78,6 @@ def build_program(config: ModelConfig, cols: int = 64, vocab_cols: int = 4096) -
     for layer in range(c.n_layers):
         kv = layer * Hkv
         heads = {}  # head -> its qkv instructions
-        half = hd // 2
         for h in range(H + 2 * Hkv):  # Q heads, then K heads, then V heads
             if h < H:
                 out, at = "q", h * hd

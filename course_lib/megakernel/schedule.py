@@ -145,8 +145,8 @@ def encode(program: list[Instruction], queues: list[list[int]]) -> dict[str, np.
 
 def producer_group(ins: Instruction, config: ModelConfig) -> tuple:
     """The group of instructions whose completion one counter counts: a layer's instructions of one op; for qkv, a
-    query head's, or the key and value heads' of one KV head (what an attention instruction reads: its query head's
-    group and its KV head's)."""
+    query head's slices, or the key and value slices of one KV head (what an attention instruction reads: its query
+    head's group and its KV head's)."""
     if ins.op != "qkv":
         return ins.op, ins.layer
     H, Hkv, h = config.n_heads, config.n_kv_heads, ins.start // (config.head_dim // 2)
