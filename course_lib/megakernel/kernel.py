@@ -49,7 +49,7 @@ import numpy as np
 from numba import float32, int32
 
 from ..kernels import SIMULATOR, add_release, cuda, load_acquire, sized
-from ..kernels.paged_attention import SEQUENCE_CHUNKS, chunk_block_for
+from ..kernels.paged_attention import chunk_block_for
 from ..kernels.row_dot import (
     pair_sums_for,
     residual_fetch_for,
@@ -66,6 +66,8 @@ EMBED, QKV, ATTENTION, O_PROJ, GATE_UP, DOWN, LOGITS, SAMPLE = (
     OPCODES[op] for op in ("embed", "qkv", "attention", "o_proj", "gate_up", "down", "logits", "sample"))
 SLICE_COLS = sized(32, 16)  # weight rows of a projection instruction (program.build_program's cols): a pair a
 # warp, WARPS pairs a pass
+ATTENTION_UNROLL = 2  # keys per team of lanes and step of an attention instruction: the five step takes 4
+# (paged_attention.SEQUENCE_CHUNKS), whose key and value registers spill under the megakernel's cap of 128 a thread
 PAGE = 16  # the cache's rows as pages of kernels/paged_attention (an identity page table): its chunk_block's unit
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
 POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer requests crowding the L2 cache
@@ -152,8 +154,8 @@ def _embed_for(load8):
 def _make_megakernel(dtype, steps, group, head_dim):
     load8, wpp = LOADERS[dtype], WORDS_PER_PAIR[dtype]
     op_embed = _embed_for(load8)
-    attention = chunk_block_for(f32x8, group, head_dim, PAGE, 1, SEQUENCE_CHUNKS.unroll, WARPS, counted)  # the
-    # five step's flash-decoding body: a query head, its keys in one chunk, waiting by counters
+    attention = chunk_block_for(f32x8, group, head_dim, PAGE, 1, ATTENTION_UNROLL, WARPS, counted)  # the five
+    # step's flash-decoding body: a query head, its keys in one chunk, waiting by counters
     normed_sums = pair_sums_for(1, steps, wpp == 2, True, counted)  # kernels/row_dot's body, waiting by counters
     added_sums = pair_sums_for(1, steps, wpp == 2, False, residual_fetch_for(counted))  # x's values fetched too
     qkv_sums = pair_sums_for(1, steps, wpp == 2, True, rope_fetch_for(counted))  # RoPE's operands fetched too
