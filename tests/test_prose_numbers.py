@@ -165,8 +165,8 @@ def test_one_pass_prose_quotes_its_runs():
 
 
 def test_readme_quotes_the_default_recipes_run():
-    """The README's figures for the default recipe on SmolLM2 are those of data/bench_five_h200.json."""
-    run = recorded("bench_five_h200.json")
+    """The README's figures for the default recipe on SmolLM2: notebook 06's bench (data/bench_h200.json)."""
+    run = recorded("bench_h200.json")
     r = {row["recipe"]: row for row in run["rows"]}
     text = " ".join((ROOT / "README.md").read_text().split())
     for figure in (f"decoded {r['five']['tokens_per_s']:,.0f} tokens/s",
@@ -174,7 +174,7 @@ def test_readme_quotes_the_default_recipes_run():
                    f"against {r['row_dot']['tokens_per_s']:,.0f} for the same step in six kernels",
                    f"{r['overlap']['tokens_per_s']:.0f} for the same graph",
                    f"{run['peers']['compile+graph']:.0f} for `torch.compile` + CUDA graph"):
-        assert figure in text, f"the README does not quote {figure!r} (data/bench_five_h200.json)"
+        assert figure in text, f"the README does not quote {figure!r} (data/bench_h200.json)"
 
 
 def test_prefetch_prose_quotes_its_run():
