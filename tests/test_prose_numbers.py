@@ -611,3 +611,22 @@ def test_megakernel_sync_prose_quotes_its_run():
                    f"{staged['down']:.1f})", f"the step slower ({mean['staged', 'counters']:.2f} ms)"):
         assert figure in text, f"notebook 06 does not quote {figure!r}"
     assert mean["main", "counters"] < min(mean["main", "barrier"], mean["staged", "counters"])
+
+
+def test_flagged_handoff_prose_quotes_its_runs():
+    """Notebook 06: the hand-off by flagged words and the megakernel's knobs, tried and not kept
+    (data/megakernel_flagged_h100.json, data/megakernel_knobs_h100.json)."""
+    def rate(name, run):
+        return next(r["tokens_per_s"] for r in recorded(name)["runs"][run] if r["recipe"] == "megakernel")
+
+    flagged = {run: rate("megakernel_flagged_h100.json", run) for run in ("main", "main2", "ll1", "ll2", "ll2b")}
+    knobs = {run: rate("megakernel_knobs_h100.json", run)
+             for run in ("tree", "tree2", "poll0", "poll128", "cols64", "vocab768")}
+    text = prose("06", "### A hand-off without counters")
+    for figure in (f"from {flagged['main']:,.0f} and {flagged['main2']:,.0f} tokens/s (two runs) to "
+                   f"{flagged['ll1']:,.0f} with x", f"to {flagged['ll2']:,.0f} and {flagged['ll2b']:,.0f} with every",
+                   f"gave {knobs['poll0']:,.0f}, {knobs['poll128']:,.0f}, {knobs['cols64']:,.0f} and "
+                   f"{knobs['vocab768']:,.0f} tokens/s, against {knobs['tree']:,.0f} and {knobs['tree2']:,.0f}"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+    assert max(flagged["ll1"], flagged["ll2"], flagged["ll2b"]) < min(flagged["main"], flagged["main2"])
+    assert max(knobs[v] for v in ("poll0", "poll128", "cols64", "vocab768")) < max(knobs["tree"], knobs["tree2"])
