@@ -86,6 +86,34 @@ def test_queued_profile_never_waits_for_the_host(tiny):
     assert step.transfers == 1 and max(gaps) < 0.02, max(gaps)
 
 
+def test_profile_pauses_the_garbage_collector(tiny_one_layer):
+    """profile_decode queues its step with Python's garbage collector off (a full collection in a big process can
+    outlast a hold) and gives it back as it found it, on or off, even when the step fails."""
+    import gc
+
+    backend = CudaBackend(tiny_one_layer, 16, weights="bf16", ops=PAGED)
+    backend.prefill([1, 2])
+    seen, decode = [], backend.decode
+
+    def watched(token):
+        seen.append(gc.isenabled())
+        return decode(token)
+
+    backend.decode = watched
+    for on in (True, False):
+        (gc.enable if on else gc.disable)()
+        try:
+            step = profile_decode(backend, 3)
+            assert gc.isenabled() is on and step.launches > 0
+        finally:
+            gc.enable()
+    assert seen == [False, False]
+    backend.decode = lambda token: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        profile_decode(backend, 3)
+    assert gc.isenabled()
+
+
 def test_holds_taken_out_of_a_queued_timeline():
     """A queued profile's timeline without its holds: the kernel after each hold (every `every` launches) starts
     where the previous one ended, and everything after it moves by the same amount; durations are unchanged."""

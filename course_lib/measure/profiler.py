@@ -7,6 +7,8 @@ Events around every launch cost time themselves, so the undisturbed rate is meas
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import warnings
 from collections import defaultdict
@@ -68,16 +70,23 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     step together, not meaningful. The GPU accepts only so many queued commands (three per profiled launch), so
     a hold goes before every Profile.hold_every launches, and lasts three times as long as the host takes to
     queue them: a first profiled step (two steps in all; the counts are those of the second) measures that.
-    Nothing in the step may wait for the GPU (uploads are asynchronous, from pinned memory: Runtime.to_device).
-    A warning says when the kernels still waited on the host: then each interval also holds the host's
-    preparation of that launch."""
+    Nothing in the step may wait for the GPU (uploads are asynchronous, from pinned memory: Runtime.to_device),
+    and Python's garbage collector is paused while the steps are queued (as timeit does): in a process holding many
+    objects (a notebook that built several engines) one full collection can outlast a hold. A warning says when the
+    kernels still waited on the host: then each interval also holds the host's preparation of that launch."""
+    rt = backend.rt
+    profile = Profile()
+    with _collector_paused():
+        return _profile_step(backend, token, queued, rt, profile)
+
+
+def _profile_step(backend, token, queued, rt, profile) -> StepProfile:
+    """profile_decode's step, recorded into `profile` (queued: behind holds sized by a first, unqueued step)."""
     from ..kernels import copy as k_copy
     from ..kernels import cuda
 
-    rt = backend.rt
-    profile = Profile()
     if queued:
-        first = profile_decode(backend, token)
+        first = _profile_step(backend, token, False, rt, Profile())
         per_launch_us = 1e3 * first.wall_ms / max(1, first.launches)
         hold_us = int(3 * per_launch_us * profile.hold_every) + 1_000
         profile.hold = lambda stream: k_copy.hold[1, 1, stream](hold_us)
@@ -103,8 +112,20 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     waits = [s - e for (_, _, e), (_, s, _) in zip(kernels, kernels[1:], strict=False) if s - e > 0.02]
     if queued and waits:  # back to back, kernels are ~2 us apart; a wait for the host is tens of us or more
         warnings.warn(f"the hold ended before the step was queued: {len(waits)} waits for the host, "
-                      f"{sum(waits):.3f} ms", stacklevel=2)
+                      f"{sum(waits):.3f} ms", stacklevel=3)
     return step
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off inside the block (back on after it, if it was on)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _without_holds(kernels, every: int):
