@@ -74,19 +74,19 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     and Python's garbage collector is paused while the steps are queued (as timeit does): in a process holding many
     objects (a notebook that built several engines) one full collection can outlast a hold. A warning says when the
     kernels still waited on the host: then each interval also holds the host's preparation of that launch."""
-    rt = backend.rt
-    profile = Profile()
     with _collector_paused():
-        return _profile_step(backend, token, queued, rt, profile)
+        return _profile_step(backend, token, queued)
 
 
-def _profile_step(backend, token, queued, rt, profile) -> StepProfile:
-    """profile_decode's step, recorded into `profile` (queued: behind holds sized by a first, unqueued step)."""
+def _profile_step(backend, token: int, queued: bool) -> StepProfile:
+    """profile_decode's step (queued: behind holds sized by a first, unqueued step)."""
     from ..kernels import copy as k_copy
     from ..kernels import cuda
 
+    rt = backend.rt
+    profile = Profile()
     if queued:
-        first = _profile_step(backend, token, False, rt, Profile())
+        first = _profile_step(backend, token, False)
         per_launch_us = 1e3 * first.wall_ms / max(1, first.launches)
         hold_us = int(3 * per_launch_us * profile.hold_every) + 1_000
         profile.hold = lambda stream: k_copy.hold[1, 1, stream](hold_us)
