@@ -616,8 +616,11 @@ def test_megakernel_sync_prose_quotes_its_run():
 def test_flagged_handoff_prose_quotes_its_runs():
     """Notebook 06: the hand-off by flagged words and the megakernel's knobs, tried and not kept
     (data/megakernel_flagged_h100.json, data/megakernel_knobs_h100.json)."""
+    def rate_in(rows):
+        return next(r["tokens_per_s"] for r in rows if r["recipe"] == "megakernel")
+
     def rate(name, run):
-        return next(r["tokens_per_s"] for r in recorded(name)["runs"][run] if r["recipe"] == "megakernel")
+        return rate_in(recorded(name)["runs"][run])
 
     flagged = {run: rate("megakernel_flagged_h100.json", run) for run in ("main", "main2", "ll1", "ll2", "ll2b")}
     knobs = {run: rate("megakernel_knobs_h100.json", run)
@@ -629,4 +632,9 @@ def test_flagged_handoff_prose_quotes_its_runs():
                    f"{knobs['vocab768']:,.0f} tokens/s, against {knobs['tree']:,.0f} and {knobs['tree2']:,.0f}"):
         assert figure in text, f"notebook 06 does not quote {figure!r}"
     assert max(flagged["ll1"], flagged["ll2"], flagged["ll2b"]) < min(flagged["main"], flagged["main2"])
+    second = {run: rate_in(recorded("megakernel_flagged_h100.json")["second_try"]["runs"][run])
+              for run in ("main", "main2", "ll2", "ll3", "ll3b")}
+    assert (f"gave {second['ll2']:,.0f} tokens/s" in text and f"shared memory, {second['ll3']:,.0f} and "
+            f"{second['ll3b']:,.0f}, against {second['main']:,.0f} and {second['main2']:,.0f} for the counters" in text)
+    assert max(second["ll2"], second["ll3"], second["ll3b"]) < min(second["main"], second["main2"])
     assert max(knobs[v] for v in ("poll0", "poll128", "cols64", "vocab768")) < max(knobs["tree"], knobs["tree2"])
