@@ -271,6 +271,21 @@ def tile_column(tx, u, c):
     return QUAD * tx * (c // QUAD) + QUAD * u + c % QUAD
 
 
+@cuda.jit(device=True)
+def tile_thread(tid, tx, tm):
+    """(u, r0): the thread column u (tile_column) and the first of the tm rows of thread tid in a tile of tx thread
+    columns and TILE_THREADS // tx thread rows. Lanes 2 i and 2 i + 1 take the same columns and two neighbouring
+    thread rows. Why: the shared memory returns 128 bytes a cycle, so a warp's 16-byte load takes four cycles,
+    but two when lanes n and n ^ 1 (or n and n ^ 2) read the same address; here lanes n and n ^ 1 share every
+    weight load and lanes n and n ^ 2 every 16-byte load of activations (tm = 4). Thread columns along the lanes
+    instead (u = tid % tx) made a thread's two weight loads 8 cycles for its 16 FMAs. An odd number of thread rows
+    (the simulator's tiles of one) keeps u = tid % tx."""
+    if (TILE_THREADS // tx) % 2:
+        return tid % tx, (tid // tx) * tm
+    q = tid // 2
+    return q % tx, (2 * (q // tx) + tid % 2) * tm
+
+
 @functools.cache
 def tile_step_for(tm):
     """The device function tile_step(ws, xs, t, u, r0, wv, acc) of the tile kernels: row t of K staged in shared
@@ -434,7 +449,7 @@ def tile_sums_for(tx, tm, wide, residue=0):
         xbuf = cuda.local.array(x_loads, dtype=float32)
         R, K, N, S = a.shape[0], a.shape[1], partial.shape[2], partial.shape[0]
         tid = cuda.threadIdx.x
-        u, r0 = tid % tx, (tid // tx) * tm  # this thread's columns of the tile: tile_column(tx, u, c); rows r0 ..
+        u, r0 = tile_thread(tid, tx, tm)  # this thread's columns of the tile: tile_column(tx, u, c); rows r0 ..
         per_row, v0 = N // VEC, g * tx
         k0 = s * K // S
         L = (s + 1) * K // S - k0
@@ -821,7 +836,7 @@ def transposed_rows_kernel(tile, kind):
         xbuf = cuda.local.array(x_loads, dtype=float32)
         R, K, N = a.shape[0], a.shape[1], out.shape[1]
         tid = cuda.threadIdx.x
-        u, r0 = tid % tx, (tid // tx) * tm
+        u, r0 = tile_thread(tid, tx, tm)
         n0, lo = cuda.blockIdx.x * cols, cuda.blockIdx.y * rows
         chunk = a[lo:min(R, lo + rows)]
         for r in range(tm):
