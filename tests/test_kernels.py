@@ -1119,7 +1119,8 @@ def test_every_tile_sums_a_slice_with_the_same_bits(rng, K):
     S = nw.split_k(K, N, 32 * nw.VEC, nw.sm_count())
     residue = nw.uniform_residue(K, S)
     assert (residue > 0) == (K == 128)
-    sums = {(tile, r): sums_of(tile, r, S) for tile in nw.TILES for r in {0, residue}}
+    tiles = (*nw.TILES, nw.ROWS_TILES[0])  # and a tile of a quad a thread (the batch logits' layout, tile_thread)
+    sums = {(tile, r): sums_of(tile, r, S) for tile in tiles for r in {0, residue}}
     first = sums[nw.TILES[0], 0]
     for (tile, r), got in sums.items():
         np.testing.assert_array_equal(got.view(np.uint32), first.view(np.uint32), err_msg=f"{tile}, residue {r}")

@@ -230,9 +230,9 @@ def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False)
 
 @functools.cache
 def qkv_rope_tiles_kernel(tiles, kind, bias, kv_dtype, head_dim):
-    """qkv_rope for a batch's rows: narrow.tile_chunk_for(tiles = (tx, tm, residue)), then rope_tile_store in each
+    """qkv_rope for a batch's rows: narrow.tile_chunk_for(tiles = (*tile, residue)), then rope_tile_store in each
     tile's last block (its VEC tx columns whole heads)."""
-    chunk = nw.tile_chunk_for(tiles[:2], kind, tiles[2])
+    chunk = nw.tile_chunk_for(tiles[:-1], kind, tiles[-1])
     epilogue = _rope_tile_store_for(nw.VEC * tiles[0], head_dim, nw.BIAS_READERS[bias],
                                     _KV_STORES[np.dtype(kv_dtype)])
 
@@ -243,7 +243,7 @@ def qkv_rope_tiles_kernel(tiles, kind, bias, kv_dtype, head_dim):
         if nw.tile_done(g, partial, done):
             epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi], q[lo:hi])
 
-    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[1]))(qkv_rope_tiles))
+    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[:-1]))(qkv_rope_tiles))
 
 
 @functools.cache
@@ -272,9 +272,9 @@ def gate_up_kernel(rows, kind, bias, normed, chunked=False):
 
 @functools.cache
 def gate_up_tiles_kernel(tiles, kind, bias):
-    """gate_up_swiglu for a batch's rows: narrow.tile_chunk_for(tiles = (tx, tm, residue)), then swiglu_tile_store
+    """gate_up_swiglu for a batch's rows: narrow.tile_chunk_for(tiles = (*tile, residue)), then swiglu_tile_store
     in each tile's last block."""
-    chunk = nw.tile_chunk_for(tiles[:2], kind, tiles[2])
+    chunk = nw.tile_chunk_for(tiles[:-1], kind, tiles[-1])
     epilogue = _swiglu_tile_store_for(nw.VEC * tiles[0], nw.BIAS_READERS[bias])
 
     def gate_up_swiglu_tiles(a, gamma, eps, b, bias, partial, done, out):
@@ -284,7 +284,7 @@ def gate_up_tiles_kernel(tiles, kind, bias):
         if nw.tile_done(g, partial, done):
             epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
 
-    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[1]))(gate_up_swiglu_tiles))
+    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[:-1]))(gate_up_swiglu_tiles))
 
 
 # ---- host wrappers (stream: a CUDA stream; rt: a course_lib.gpu.runtime.Runtime, used instead when given) ----

@@ -108,20 +108,29 @@ TILE_THREADS = sized(256, 8)  # threads of a block of the tile kernels (the slic
 TILES = ((16, 2), (16, 4), (8, 2), (8, 1), (32, 2), (16, 1), (32, 1)) if not SIMULATOR else ((4, 4), (2, 2), (8, 1))
 # its tiles (TX, TM): TX thread columns of VEC columns, TILE_THREADS / TX thread rows of TM rows; the first whose
 # rows the launch fills and which gives it a block per two SMs ((16, 2) was the fastest or within 7% of it on each
-# of SmolLM2's projections at 64 rows, data/batch_tiles_unrolled_h200.json)
+# of SmolLM2's projections at 64 rows, data/batch_tiles_unrolled_h200.json; a quad a thread, (16, 4, 1), slower on
+# each, data/batch_tiles_lanes_h100.json)
 
 
-def tile_bounds(tm: int) -> dict:
-    """The launch bounds of a tile kernel whose threads hold tm rows: two blocks per SM when tm <= 2 (the compiler
-    then keeps a thread within 128 registers, spilling a few bytes of its set-up; more rows would spill its sums)."""
-    return {} if SIMULATOR else {"launch_bounds": (TILE_THREADS, 2 if tm <= 2 else 1)}
+def tile_quads(tile) -> int:
+    """The quads of columns a thread of a tile holds: QUADS (its thread column's VEC columns) for (TX, TM), 1 for
+    (TX, TM, 1), whose thread columns are each held by two threads, a quad each."""
+    return tile[2] if len(tile) > 2 else QUADS
+
+
+def tile_bounds(tile) -> dict:
+    """The launch bounds of a tile kernel: two blocks per SM when a thread holds at most 16 sums (the compiler then
+    keeps a thread within 128 registers, spilling a few bytes of its set-up; more would spill its sums)."""
+    sums = tile[1] * QUAD * tile_quads(tile)
+    return {} if SIMULATOR else {"launch_bounds": (TILE_THREADS, 2 if sums <= 16 else 1)}
 
 
 TILE_PIECE = sized(32, 64)  # rows of K a tile block stages in shared memory at a time, whole residues (the
 # simulator's 2 warps make residues of half a slice)
-ROWS_TILES = ((16, 4), (16, 2), (32, 2), (32, 1)) if not SIMULATOR else ((4, 2), (8, 1))  # (TX, TM) tiles of
-# matmul_transposed_rows, the largest first: the first whose rows the batch fills (SmolLM2's logits: the fastest of
-# eight tiles at 8, 16, 32 and 64 rows, data/batch_tiles_fused_h200.json)
+ROWS_TILES = ((16, 4, 1), (32, 2), (32, 1)) if not SIMULATOR else ((2, 4, 1), (4, 2), (8, 1))
+# the tiles of matmul_transposed_rows, the largest first: the first whose rows the batch fills (SmolLM2's logits: the
+# fastest of eight tiles at 8, 16, 32 and 64 rows, data/batch_tiles_fused_h200.json, then (16, 4, 1), a quad of rows
+# of b a thread, faster than (16, 4) and (16, 2) at 32 and 64 rows, data/batch_tiles_lanes_h100.json)
 TILE_SLICE = WARPS * TILE_PIECE  # the longest slice of K a tile block takes: a residue fits in a piece
 NORMED_ROWS = 1  # the most rows a split-K block normalizes itself: with the norm inside, the kernel of 2 rows or more
 # needs more than the 128 registers a thread of 16 warps may have, and spills (ptxas, sm_90: 52 bytes a thread at 2
@@ -264,85 +273,87 @@ QUADS = VEC // QUAD  # the quads of a thread's VEC columns
 
 
 @cuda.jit(device=True)
-def tile_column(tx, u, c):
-    """The column of a tile of VEC tx columns that thread column u holds as its c-th (c < VEC): quad u of each half
-    of the tile, 4 tx h + 4 u + j for c = 4 h + j. ws[t, h, u, j] holds it, so that a thread reads its VEC weights
-    of a row of K as two 16-byte shared loads, and the lanes of a warp read adjacent quads (no bank conflicts)."""
-    return QUAD * tx * (c // QUAD) + QUAD * u + c % QUAD
+def tile_thread(tid, tx, tm, tq):
+    """(v, r0) of thread tid in a tile of tx thread columns (VEC columns each) and tm rows per thread, tq quads a
+    thread (tile_quads): the thread's first quad of columns, v (0 <= v < QUADS tx), and the first of its tm rows.
 
-
-@cuda.jit(device=True)
-def tile_thread(tid, tx, tm):
-    """(u, r0): the thread column u (tile_column) and the first of the tm rows of thread tid in a tile of tx thread
-    columns and TILE_THREADS // tx thread rows. Lanes 2 i and 2 i + 1 take the same columns and two neighbouring
-    thread rows. Why: the shared memory returns 128 bytes a cycle, so a warp's 16-byte load takes four cycles,
-    but two when lanes n and n ^ 1 (or n and n ^ 2) read the same address; here lanes n and n ^ 1 share every
-    weight load and lanes n and n ^ 2 every 16-byte load of activations (tm = 4). Thread columns along the lanes
-    instead (u = tid % tx) made a thread's two weight loads 8 cycles for its 16 FMAs. An odd number of thread rows
-    (the simulator's tiles of one) keeps u = tid % tx."""
-    if (TILE_THREADS // tx) % 2:
-        return tid % tx, (tid // tx) * tm
-    q = tid // 2
-    return q % tx, (2 * (q // tx) + tid % 2) * tm
+    The tile's columns are staged in quads, ws[t, h, u, :] holding columns 4 tx h + 4 u .. + 3 of the tile (half h
+    of thread column u), so that a thread reads its quads as 16-byte shared loads, v + h tx for h < tq, and the
+    lanes of a warp read adjacent quads. Lanes 2 i and 2 i + 1 take the same quads and two neighbouring thread rows;
+    lanes 2 i and 2 i + 2 the same rows (when tq = 1, the two quads of a thread column go to neighbouring threads).
+    Why: the shared memory returns 128 bytes a cycle, so a warp's 16-byte load takes four cycles, but two when
+    lanes n and n ^ 1 (or n and n ^ 2) read the same address: here lanes n and n ^ 1 share every weight load and
+    lanes n and n ^ 2 every 16-byte load of activations (tm = 4). An odd number of thread rows (the simulator's
+    tiles of one) keeps the threads in order along the columns."""
+    columns = tx * QUADS // tq  # threads across the tile's columns
+    if (TILE_THREADS // columns) % 2:
+        c, row = tid % columns, tid // columns
+    else:
+        q = tid // 2
+        c, row = q % columns, 2 * (q // columns) + tid % 2
+    return (c // tx) * tq * tx + c % tx, row * tm
 
 
 @functools.cache
-def tile_step_for(tm):
-    """The device function tile_step(ws, xs, t, u, r0, wv, acc) of the tile kernels: row t of K staged in shared
-    memory, acc[r, c] += xs[t, r0 + r] * ws[t, c // 4, u, c % 4] for this thread's tm rows and VEC columns (wv: a
-    local [VEC] for the weights), each sum one FMA further along K. The weights come in two 16-byte shared loads
-    (`shared_load16`: Numba alone reads an array one element at a time, and ten 4-byte loads for 16 FMAs left the
-    shared memory, not the FMA units, setting the pace); with tm = 4 (xs's rows then whole quads, r0 a multiple of
-    QUAD) the activations in one more, with fewer rows a thread in tm scalar loads."""
+def tile_step_for(tm, tq):
+    """The device function tile_step(ws, xs, t, v, r0, wv, acc) of the tile kernels: row t of K staged in shared
+    memory, acc[r, c] += xs[t, r0 + r] * (quad v + (c // 4) tx of ws[t])[c % 4] for this thread's tm rows and tq
+    quads of columns (tile_thread; wv: a local [4 tq] for the weights), each sum one FMA further along K. The
+    weights come in tq 16-byte shared loads (`shared_load16`: Numba alone reads an array one element at a time, and
+    ten 4-byte loads for 16 FMAs left the shared memory, not the FMA units, setting the pace); with tm = 4 (xs's
+    rows then whole quads, r0 a multiple of QUAD) the activations in one more, with fewer rows a thread in tm scalar
+    loads."""
+    width = QUAD * tq
 
     @cuda.jit(device=True)
-    def tile_step(ws, xs, t, u, r0, wv, acc):
+    def tile_step(ws, xs, t, v, r0, wv, acc):
         tx = ws.shape[2]
-        for h in range(QUADS):  # ws[t, h, u, :], the 16-byte step (t QUADS + h) tx + u of ws
-            w0, w1, w2, w3 = shared_load16(ws, (t * QUADS + h) * tx + u)
+        for h in range(tq):  # the 16-byte step t QUADS tx + v + h tx of ws
+            w0, w1, w2, w3 = shared_load16(ws, (t * QUADS + h) * tx + v)
             wv[QUAD * h], wv[QUAD * h + 1], wv[QUAD * h + 2], wv[QUAD * h + 3] = w0, w1, w2, w3
         if tm == QUAD:  # xs[t, r0 .. r0 + 3]: pitch and r0 multiples of QUAD
             xv = cuda.local.array(QUAD, dtype=float32)
             xv[0], xv[1], xv[2], xv[3] = shared_load16(xs, (t * xs.shape[1] + r0) // QUAD)
             for r in range(tm):
-                for c in range(VEC):
+                for c in range(width):
                     acc[r, c] += xv[r] * wv[c]
         else:
             for r in range(tm):
                 x = xs[t, r0 + r]
-                for c in range(VEC):
+                for c in range(width):
                     acc[r, c] += x * wv[c]
 
     return tile_step
 
 
 @functools.cache
-def residue_steps_for(tm, steps):
-    """The device function residue_steps(ws, xs, t, u, r0, wv, acc): tile_step for the rows t .. t + steps - 1 of
+def residue_steps_for(tm, tq, steps):
+    """The device function residue_steps(ws, xs, t, v, r0, wv, acc): tile_step for the rows t .. t + steps - 1 of
     K, written out one after the other at compile time (the compiler does not unroll the loop of a residue, and
     unrolled, the shared loads of a row are issued while the FMAs of the one before run)."""
-    step = tile_step_for(tm)
+    step = tile_step_for(tm, tq)
     if steps == 1:
         return step
-    rest = residue_steps_for(tm, steps - 1)
+    rest = residue_steps_for(tm, tq, steps - 1)
 
     @cuda.jit(device=True)
-    def residue_steps(ws, xs, t, u, r0, wv, acc):
-        step(ws, xs, t, u, r0, wv, acc)
-        rest(ws, xs, t + 1, u, r0, wv, acc)
+    def residue_steps(ws, xs, t, v, r0, wv, acc):
+        step(ws, xs, t, v, r0, wv, acc)
+        rest(ws, xs, t + 1, v, r0, wv, acc)
 
     return residue_steps
 
 
 @functools.cache
-def fold_for(tm):
-    """The device function fold(acc, total, first): a residue's sums acc [tm, VEC] added into total as store_row adds
+def fold_for(tm, tq):
+    """The device function fold(acc, total, first): a residue's sums acc [tm, 4 tq] added into total as store_row adds
     the warps' sums (total = acc for the slice's first residue), acc zeroed for the next."""
+    width = QUAD * tq
 
     @cuda.jit(device=True)
     def fold(acc, total, first):
         for r in range(tm):
-            for c in range(VEC):
+            for c in range(width):
                 total[r, c] = acc[r, c] if first else total[r, c] + acc[r, c]
                 acc[r, c] = float32(0)
 
@@ -350,25 +361,25 @@ def fold_for(tm):
 
 
 @functools.cache
-def residues_for(tm, residue, count):
-    """The device function residues(ws, xs, t, u, r0, wv, acc, total, first): `count` residues of `residue` rows of
+def residues_for(tm, tq, residue, count):
+    """The device function residues(ws, xs, t, v, r0, wv, acc, total, first): `count` residues of `residue` rows of
     K from row t of the staged piece, each summed (residue_steps) and folded into total (first: the first of them is
     the slice's first), written out at compile time: every shared address is then a constant offset."""
-    steps, fold = residue_steps_for(tm, residue), fold_for(tm)
+    steps, fold = residue_steps_for(tm, tq, residue), fold_for(tm, tq)
     if count == 1:
         @cuda.jit(device=True)
-        def residue_alone(ws, xs, t, u, r0, wv, acc, total, first):
-            steps(ws, xs, t, u, r0, wv, acc)
+        def residue_alone(ws, xs, t, v, r0, wv, acc, total, first):
+            steps(ws, xs, t, v, r0, wv, acc)
             fold(acc, total, first)
 
         return residue_alone
-    rest = residues_for(tm, residue, count - 1)
+    rest = residues_for(tm, tq, residue, count - 1)
 
     @cuda.jit(device=True)
-    def residues(ws, xs, t, u, r0, wv, acc, total, first):
-        steps(ws, xs, t, u, r0, wv, acc)
+    def residues(ws, xs, t, v, r0, wv, acc, total, first):
+        steps(ws, xs, t, v, r0, wv, acc)
         fold(acc, total, first)
-        rest(ws, xs, t + residue, u, r0, wv, acc, total, False)
+        rest(ws, xs, t + residue, v, r0, wv, acc, total, False)
 
     return residues
 
@@ -382,9 +393,9 @@ def uniform_residue(K: int, S: int) -> int:
 
 
 @functools.cache
-def tile_sums_for(tx, tm, wide, residue=0):
+def tile_sums_for(tile, wide, residue=0):
     """The device function tile_sums(g, s, a, b, partial): slice s of K of a tile of a batch's rows, a [R, K] @
-    b [K, N] for the VEC tx columns of tile g and the rows of a (a chunk of at most TILE_THREADS // tx * tm rows),
+    b [K, N] for the VEC tx columns of tile g and the rows of a (a chunk of at most tile_rows(tile) rows),
     into partial[s] [R, N], with the bits of split_k_sums (b: the uint32 words of float32 weights when wide, of bf16
     ones else, read 16 bytes a load; no norm). The slice's residues must each fit in a piece (see below).
     residue: uniform_residue(K, S), the rows of every residue when they are all the same and a piece holds a whole
@@ -394,26 +405,28 @@ def tile_sums_for(tx, tm, wide, residue=0):
     split_k_sums fixes the order of the additions of an output: warp w sums the slice's rows k0 + w, k0 + w +
     WARPS, ... (its residue w) by FMAs from zero, then the warps' sums are added in warp order. Any geometry that
     makes the same operations in the same order gets the same bits: here a block owns a tile of outputs, a thread
-    tm rows x VEC columns of it (tile_column), and walks the slice residue after residue with two registers per
+    tm rows x tq quads of columns of it (tile_thread), and walks the slice residue after residue with two registers per
     output: `acc`, the running sum of the residue, and `total`, the residues before it added in order. The slice
     order (residue 0's rows, then residue 1's, ...) is written once per block in shared memory (`order`); the
     weights and activations of whole residues, at most TILE_PIECE rows, are staged at a time, the next piece's
     loads in flight while the FMAs of this one run. Every weight staged serves the tile's rows, every activation its
-    columns: two 16-byte loads from shared memory for the weights, and the tm activations (one more 16-byte load
-    when tm = 4), for tm x VEC FMAs, and no test per row of K. The activations are fetched with a warp's lanes along
+    columns: tq 16-byte loads from shared memory for the weights, and the tm activations (one more 16-byte load
+    when tm = 4), for tm x 4 tq FMAs, and no test per row of K. The activations are fetched with a warp's lanes along
     the slice order (the rows k0 + w + WARPS j of a row of a lie within a few lines; lanes along the rows of a read
     32 lines an instruction), and the sums leave in 16-byte stores, whole sectors a warp (a lane's four adjacent
     columns stored one by one left each sector written four times). The next piece's weights wait in registers as
     the words loaded (`weight_of_word` widens them as they are stored into ws): half the registers for bf16, and no
     instruction that needs them until this piece's FMAs are issued."""
+    (tx, tm), tq = tile[:2], tile_quads(tile)
+    width = QUAD * tq  # a thread's columns
     units = 2 if wide else 1  # 16-byte loads per VEC weights
     raw = QUAD * units  # their uint32 words
-    rows = TILE_THREADS // tx * tm  # the tile's rows
+    rows = tile_rows(tile)
     pitch = rows + QUAD if tm >= QUAD else rows + 1  # xs's row: whole quads when a thread reads 4 rows at once
     w_loads = TILE_PIECE * tx // TILE_THREADS  # the 16-byte loads of weights a thread stages per piece
     x_loads = TILE_PIECE * rows // TILE_THREADS  # the activations
-    step, fold = tile_step_for(tm), fold_for(tm)
-    piece = residues_for(tm, residue, TILE_PIECE // residue) if residue else None
+    step, fold = tile_step_for(tm, tq), fold_for(tm, tq)
+    piece = residues_for(tm, tq, residue, TILE_PIECE // residue) if residue else None
 
     @cuda.jit(device=True)
     def fetch(p0, n, order, a, b, v0, per_row, wbuf, xbuf):
@@ -439,17 +452,17 @@ def tile_sums_for(tx, tm, wide, residue=0):
     @cuda.jit(device=True)
     def tile_sums(g, s, a, b, partial):
         order = cuda.shared.array(TILE_SLICE, dtype=int32)  # order[t]: the row of K at position t of slice order
-        ws = cuda.shared.array((TILE_PIECE, QUADS, tx, QUAD), dtype=float32)  # ws[t] (tile_column): row
+        ws = cuda.shared.array((TILE_PIECE, QUADS, tx, QUAD), dtype=float32)  # ws[t] (tile_thread): row
         # order[t] of the tile's columns
         xs = cuda.shared.array((TILE_PIECE, pitch), dtype=float32)  # xs[t, r] = a[r, order[t]]
-        acc = cuda.local.array((tm, VEC), dtype=float32)
-        total = cuda.local.array((tm, VEC), dtype=float32)
-        wv = cuda.local.array(VEC, dtype=float32)
+        acc = cuda.local.array((tm, width), dtype=float32)
+        total = cuda.local.array((tm, width), dtype=float32)
+        wv = cuda.local.array(width, dtype=float32)
         wbuf = cuda.local.array((w_loads, raw), dtype=uint32)  # the words of a row's VEC weights
         xbuf = cuda.local.array(x_loads, dtype=float32)
         R, K, N, S = a.shape[0], a.shape[1], partial.shape[2], partial.shape[0]
         tid = cuda.threadIdx.x
-        u, r0 = tile_thread(tid, tx, tm)  # this thread's columns of the tile: tile_column(tx, u, c); rows r0 ..
+        quad0, r0 = tile_thread(tid, tx, tm, tq)  # this thread's first quad of the tile's columns, its first row
         per_row, v0 = N // VEC, g * tx
         k0 = s * K // S
         L = (s + 1) * K // S - k0
@@ -460,7 +473,7 @@ def tile_sums_for(tx, tm, wide, residue=0):
             for j in range(m + (1 if tid < rem else 0)):
                 order[tid * m + min(tid, rem) + j] = k0 + tid + WARPS * j
         for r in range(tm):
-            for c in range(VEC):
+            for c in range(width):
                 acc[r, c] = float32(0)
         cuda.syncthreads()
         w1 = min(WARPS, per_piece)
@@ -482,17 +495,17 @@ def tile_sums_for(tx, tm, wide, residue=0):
                 p1 = w1 * m + min(w1, rem)
                 fetch(p1, w2 * m + min(w2, rem) - p1, order, a, b, v0, per_row, wbuf, xbuf)
             if residue:  # the piece's residues written out (warps without rows would add zeros: there are none)
-                piece(ws, xs, 0, u, r0, wv, acc, total, w0 == 0)
+                piece(ws, xs, 0, quad0, r0, wv, acc, total, w0 == 0)
             else:
                 for w in range(w0, w1):
                     t0 = w * m + min(w, rem) - p0
                     for j in range(m + (1 if w < rem else 0)):
-                        step(ws, xs, t0 + j, u, r0, wv, acc)
+                        step(ws, xs, t0 + j, quad0, r0, wv, acc)
                     fold(acc, total, w == 0)  # the warps without rows add their zeros
         for r in range(tm):  # 16-byte stores: a warp's lanes write whole sectors (N is a multiple of VEC)
             if r0 + r < R:
-                for h in range(QUADS):
-                    n = VEC * v0 + tile_column(tx, u, QUAD * h)
+                for h in range(tq):
+                    n = VEC * v0 + QUAD * (quad0 + h * tx)
                     if n < N:
                         store_quad(partial, (s, r0 + r, n), total[r, QUAD * h], total[r, QUAD * h + 1],
                                    total[r, QUAD * h + 2], total[r, QUAD * h + 3])
@@ -607,13 +620,13 @@ def _make_split_k(rows, width, load, prefetch, bias_f32, accumulate, normed, chu
 @functools.cache
 def tile_chunk_for(tile, kind, residue=0):
     """The device function tile_chunk(a, b, partial) -> (g, lo, hi) of the tile kernels, block (g, s, z) of a grid
-    (ceil(N / (VEC tx)), S, ceil(R / rows)) for a tile (tx, tm) of TILES, weight kind "f32x8" or "bf16x8" and
-    `residue` (tile_sums_for): it asks the L2 cache for slice s's weights (the blocks of chunk 0: the other chunks
+    (ceil(N / (VEC tx)), S, ceil(R / rows)) for a tile of TILES, weight kind "f32x8" or "bf16x8" and `residue`
+    (tile_sums_for): it asks the L2 cache for slice s's weights (the blocks of chunk 0: the other chunks
     find them there), waits for its inputs, and sums slice s of K of a [R, K] @ b [K, N] for the tile of columns g
     and the rows lo .. hi - 1 of chunk z into partial[s] [R, N]."""
-    tx, tm = tile
+    tx = tile[0]
     units = 2 if kind == "f32x8" else 1  # 16-byte units per VEC weights
-    sums = tile_sums_for(tx, tm, kind == "f32x8", residue)
+    sums = tile_sums_for(tile, kind == "f32x8", residue)
     rows = tile_rows(tile)
 
     @cuda.jit(device=True)
@@ -653,7 +666,7 @@ def tile_sums_kernel(tile, kind, residue=0):
         chunk(a, b, partial)
 
     split_k_tile_sums.__name__ = split_k_tile_sums.__qualname__ = "split_k_tile_sums_vec"
-    return waits_for_inputs(cuda.jit(**tile_bounds(tile[1]))(split_k_tile_sums))
+    return waits_for_inputs(cuda.jit(**tile_bounds(tile))(split_k_tile_sums))
 
 
 @functools.cache
@@ -718,9 +731,8 @@ def tile_kernel(tile, kind, residue, bias, accumulate):
     """The tile kernel of the split-K family: tile_chunk, then in each tile's last block to finish the plain
     epilogue (tile_store: + bias, or added into out when `accumulate`): one launch for the slices' sums and their
     epilogue."""
-    tx, tm = tile
     chunk = tile_chunk_for(tile, kind, residue)
-    store = tile_store_for(VEC * tx, BIAS_READERS[bias], accumulate)
+    store = tile_store_for(VEC * tile[0], BIAS_READERS[bias], accumulate)
 
     def matmul_tiles(a, gamma, eps, b, bias, partial, done, out):
         """out (+)= a [R, K] @ b [K, N] (+ bias [N]) through partial [S, R, N] and done [gx x chunks]. Grid (gx =
@@ -731,7 +743,7 @@ def tile_kernel(tile, kind, residue, bias, accumulate):
             store(g, partial[:, lo:hi], bias, out[lo:hi])
 
     matmul_tiles.__name__ = matmul_tiles.__qualname__ = "matmul_tiles" + ("_add" if accumulate else "")
-    return waits_for_inputs(cuda.jit(**tile_bounds(tm))(matmul_tiles))
+    return waits_for_inputs(cuda.jit(**tile_bounds(tile))(matmul_tiles))
 
 
 @functools.cache
@@ -784,25 +796,27 @@ def add_norm_kernel(per_thread: int):
 
 
 def tile_rows(tile) -> int:
-    """Rows of a tile (tx, tm) of tile_sums_kernel."""
-    return TILE_THREADS // tile[0] * tile[1]
+    """Rows of a tile of tile_sums_kernel: its thread rows (threads over tile_quads per thread across its QUADS tx
+    quads of columns) of tm rows."""
+    return TILE_THREADS * tile_quads(tile) // (QUADS * tile[0]) * tile[1]
 
 
 @functools.cache
 def transposed_rows_kernel(tile, kind):
-    """matmul_transposed_rows's kernel for a tile (tx, tm) of ROWS_TILES and weight kind "bf16x8" or "f32x8":
+    """matmul_transposed_rows's kernel for a tile of ROWS_TILES and weight kind "bf16x8" or "f32x8":
     out[r, n] = a[r, :] . b[n, :], each output summed by one thread along K in order from zero, so that its bits do
-    not depend on the tile: any number of rows gets every row's bits. A block owns TILE_THREADS // tx * tm rows of a
-    and VEC tx rows of b (grid: ceil(N / (VEC tx)), ceil(R / rows)); a thread tm rows x VEC rows of b
-    (tile_column). TILE_PIECE columns of K of both are staged at a time in shared memory, the next piece's loads in
-    flight while this one's FMAs run: three 16-byte loads from shared memory for tm x VEC FMAs (tm = 4)."""
-    tx, tm = tile
+    not depend on the tile: any number of rows gets every row's bits. A block owns tile_rows(tile) rows of a and
+    VEC tx rows of b (grid: ceil(N / (VEC tx)), ceil(R / rows)); a thread tm rows x tq quads of rows of b
+    (tile_thread). TILE_PIECE columns of K of both are staged at a time in shared memory, the next piece's loads in
+    flight while this one's FMAs run: tq + 1 16-byte loads from shared memory for tm x 4 tq FMAs (tm = 4)."""
+    (tx, tm), tq = tile[:2], tile_quads(tile)
+    width = QUAD * tq  # a thread's rows of b
     load8 = bf16x8 if kind == "bf16x8" else f32x8
-    rows, cols = TILE_THREADS // tx * tm, VEC * tx
+    rows, cols = tile_rows(tile), VEC * tx
     pitch, groups = rows + QUAD, TILE_PIECE // VEC  # xs's row (whole quads: 16-byte loads; one quad longer, its
     # stores along K conflict 4-way, not 32); 16-byte groups a piece
     w_loads, x_loads = cols * groups // TILE_THREADS, TILE_PIECE * rows // TILE_THREADS
-    step, piece = tile_step_for(tm), residue_steps_for(tm, TILE_PIECE)
+    step, piece = tile_step_for(tm, tq), residue_steps_for(tm, tq, TILE_PIECE)
 
     @cuda.jit(device=True)
     def fetch(k0, n0, a, words, N, wbuf, xbuf):
@@ -827,20 +841,20 @@ def transposed_rows_kernel(tile, kind):
     def matmul_transposed_rows(a, words, out):
         """out [R, N] = a [R, K] @ b [N, K].T, b seen as its flat uint32 words. Grid (ceil(N / (VEC tx)),
         ceil(R / rows)), TILE_THREADS."""
-        ws = cuda.shared.array((TILE_PIECE, QUADS, tx, QUAD), dtype=float32)  # ws[t] (tile_column): b[n0 + n,
+        ws = cuda.shared.array((TILE_PIECE, QUADS, tx, QUAD), dtype=float32)  # ws[t] (tile_thread): b[n0 + n,
         # k0 + t] of the tile's rows n of b
         xs = cuda.shared.array((TILE_PIECE, pitch), dtype=float32)  # xs[t, r] = a[r, k0 + t]
-        acc = cuda.local.array((tm, VEC), dtype=float32)
-        wv = cuda.local.array(VEC, dtype=float32)
+        acc = cuda.local.array((tm, width), dtype=float32)
+        wv = cuda.local.array(width, dtype=float32)
         wbuf = cuda.local.array((w_loads, VEC), dtype=float32)
         xbuf = cuda.local.array(x_loads, dtype=float32)
         R, K, N = a.shape[0], a.shape[1], out.shape[1]
         tid = cuda.threadIdx.x
-        u, r0 = tile_thread(tid, tx, tm)
+        quad0, r0 = tile_thread(tid, tx, tm, tq)
         n0, lo = cuda.blockIdx.x * cols, cuda.blockIdx.y * rows
         chunk = a[lo:min(R, lo + rows)]
         for r in range(tm):
-            for c in range(VEC):
+            for c in range(width):
                 acc[r, c] = float32(0)
         inputs_ready()
         fetch(0, n0, chunk, words, N, wbuf, xbuf)
@@ -856,14 +870,14 @@ def transposed_rows_kernel(tile, kind):
             if k0 + TILE_PIECE < K:  # the next piece's loads, in flight during this piece's FMAs
                 fetch(k0 + TILE_PIECE, n0, chunk, words, N, wbuf, xbuf)
             if k0 + TILE_PIECE <= K:  # a whole piece: its steps written out
-                piece(ws, xs, 0, u, r0, wv, acc)
+                piece(ws, xs, 0, quad0, r0, wv, acc)
             else:
                 for t in range(K - k0):
-                    step(ws, xs, t, u, r0, wv, acc)
+                    step(ws, xs, t, quad0, r0, wv, acc)
         for r in range(tm):  # a quad of columns in one 16-byte store where it is whole (out's rows: whole quads)
             if lo + r0 + r < R:
-                for h in range(QUADS):
-                    n = n0 + tile_column(tx, u, QUAD * h)
+                for h in range(tq):
+                    n = n0 + QUAD * (quad0 + h * tx)
                     if n + QUAD <= N and N % QUAD == 0:
                         store_quad(out, (lo + r0 + r, n), acc[r, QUAD * h], acc[r, QUAD * h + 1],
                                    acc[r, QUAD * h + 2], acc[r, QUAD * h + 3])
@@ -873,7 +887,7 @@ def transposed_rows_kernel(tile, kind):
                                 out[lo + r0 + r, n + j] = acc[r, QUAD * h + j]
 
     matmul_transposed_rows.__name__ = matmul_transposed_rows.__qualname__ = "matmul_transposed_rows"
-    return waits_for_inputs(cuda.jit(**tile_bounds(tm))(matmul_transposed_rows))
+    return waits_for_inputs(cuda.jit(**tile_bounds(tile))(matmul_transposed_rows))
 
 
 @cuda.jit(device=True)
@@ -1025,11 +1039,11 @@ def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate:
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
     normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, and the slices summed in
-    tiles when `tiles` = (tx, tm, residue) (tile_kernel); built and cached on first use."""
+    tiles when `tiles` = (*tile, residue) (tile_kernel); built and cached on first use."""
     key = (family, kind, rows, bias, accumulate, normed, chunked, tiles)
     if key not in _KERNELS:
         if family == "split_k" and tiles is not None:
-            _KERNELS[key] = tile_kernel(tiles[:2], kind, tiles[2], bias, accumulate)
+            _KERNELS[key] = tile_kernel(tiles[:-1], kind, tiles[-1], bias, accumulate)
         elif family == "split_k":
             _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked)
         else:
@@ -1107,7 +1121,7 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
 
 
 def tile_of(N: int, n: int, slices: int, unit: int = VEC):
-    """The tile (tx, tm) of TILES for a launch of n rows through N columns in `slices` slices: the first whose rows
+    """The tile of TILES for a launch of n rows through N columns in `slices` slices: the first whose rows
     the launch fills and that gives a block per two SMs (else the last it fills, or the smallest), among those whose
     VEC tx columns hold whole units of `unit` columns (an epilogue's: a head for RoPE); None when none does (or unit
     is None: an epilogue that cannot run in tiles)."""
