@@ -395,7 +395,7 @@ def test_add_norm_in_registers_prose_quotes_its_run():
     assert (f"{each:.2f} µs each inside the step's graph, {launches * each / 1e3:.2f} ms of its "
             f"{after['ctx64']['graph_ms']:.2f}") in text
     assert f"{new[200]:.1f} µs at 200 keys and {new[264]:.1f} at 264)" in text
-    assert f"({tps[64] / tps[1]:.1f} times in the last run of `bench --batch`" in text and tps[64] / tps[1] < 30
+    assert f"({tps[64] / tps[1]:.1f} times in the last H200 run of `bench --batch`" in text and tps[64] / tps[1] < 30
     assert (f"({tps[64]:,.0f} tokens/s against {peers['graph']:,.0f} and {peers['compile+graph']:,.0f})" in text
             and tps[64] > max(peers.values()))
     from course_lib.measure import accounting
@@ -638,3 +638,36 @@ def test_flagged_handoff_prose_quotes_its_runs():
             f"{second['ll3b']:,.0f}, against {second['main']:,.0f} and {second['main2']:,.0f} for the counters" in text)
     assert max(second["ll2"], second["ll3"], second["ll3b"]) < min(second["main"], second["main2"])
     assert max(knobs[v] for v in ("poll0", "poll128", "cols64", "vocab768")) < max(knobs["tree"], knobs["tree2"])
+
+
+def test_paired_lanes_prose_quotes_its_runs():
+    """Notebook 07: the tile kernels' lanes paired and the logits' quad tiles, measured on a lent H100
+    (data/batch_tiles_lanes_h100.json, data/bench_batch_lanes_h100.json)."""
+    lanes = recorded("batch_tiles_lanes_h100.json")
+    alone = {r["shape"]: r for r in lanes["kernels_alone"]["tiles"] if r["R"] == 64 and r["tile"] == [16, 2]}
+    shapes = ("qkv", "o", "gate_up", "down")
+    quads = {(r["shape"], tuple(r["tile"])): r["us"] for r in lanes["quads"]["tiles_alone"]["tiles"] if r["R"] == 64}
+    logits = {tuple(r["tile"]): r["us"] for r in lanes["quads"]["tiles_alone"]["logits"] if r["R"] == 64}
+    bench = lanes["bench"]
+    real = recorded("bench_batch_lanes_h100.json")
+    rate = {r["batch"]: r["tokens_per_s"] for r in real["batch"]}
+    text = prose("07", "### Lanes in pairs")
+    paired, cols = [alone[s]["paired_us"] for s in shapes], [alone[s]["cols_us"] for s in shapes]
+    for figure in ("takes {:.2f} µs (QKV), {:.2f} (O), {:.2f} (gate/up) and {:.2f} (down), against {:.2f}, {:.2f}, "
+                   "{:.2f} and {:.2f} with the lanes".format(*paired, *cols),
+                   f"{bench['paired']['step_graph_ms']:.3f} ms in its graph against "
+                   f"{bench['main']['step_graph_ms']:.3f}",
+                   f"at 64 {bench['paired']['batch'][1]['tokens_per_s']:,.0f} tokens/s against "
+                   f"{bench['main']['batch'][1]['tokens_per_s']:,.0f}",
+                   f"(gate/up {quads['gate_up', (16, 4, 1)]:.2f} µs against {quads['gate_up', (16, 2)]:.2f})",
+                   f"{logits[16, 4, 1]:.1f} µs at 64 rows against {logits[16, 4]:.1f} for (16, 4)",
+                   f"{rate[1]:,.0f} tokens/s at batch 1, {rate[8]:,.0f} at 8, {rate[32]:,.0f} at 32 and "
+                   f"{rate[64]:,.0f} at 64 ({rate[64] / rate[1]:.1f} times batch 1)",
+                   f"{real['peers']['graph']:,.0f} tokens/s with a graph and {real['peers']['compile+graph']:,.0f} "
+                   "compiled"):
+        assert figure in text, f"notebook 07 does not quote {figure!r}"
+    assert all(r["same_bits"] for r in lanes["kernels_alone"]["tiles"] + lanes["quads"]["tiles_alone"]["tiles"])
+    assert all(p < c for p, c in zip(paired, cols, strict=True)) and all(r["same_text"] for r in real["batch"])
+    assert all(quads[s, (16, 4, 1)] > quads[s, (16, 2)] for s in shapes) and logits[16, 4, 1] < logits[16, 4]
+    assert rate[64] > max(real["peers"].values())
+    assert f"{rate[64] / rate[1]:.1f} on an H100 once the lanes were paired" in prose("07", "## What is not done yet")
