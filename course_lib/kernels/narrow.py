@@ -114,7 +114,7 @@ TILES = ((16, 2), (16, 4), (8, 2), (8, 1), (32, 2), (16, 1), (32, 1)) if not SIM
 
 def tile_quads(tile) -> int:
     """The quads of columns a thread of a tile holds: QUADS (its thread column's VEC columns) for (TX, TM), 1 for
-    (TX, TM, 1), whose thread columns are each held by two threads, a quad each."""
+    (TX, TM, 1), whose thread columns' two quads are held by two threads (tile_thread)."""
     return tile[2] if len(tile) > 2 else QUADS
 
 
@@ -279,8 +279,9 @@ def tile_thread(tid, tx, tm, tq):
 
     The tile's columns are staged in quads, ws[t, h, u, :] holding columns 4 tx h + 4 u .. + 3 of the tile (half h
     of thread column u), so that a thread reads its quads as 16-byte shared loads, v + h tx for h < tq, and the
-    lanes of a warp read adjacent quads. Lanes 2 i and 2 i + 1 take the same quads and two neighbouring thread rows;
-    lanes 2 i and 2 i + 2 the same rows (when tq = 1, the two quads of a thread column go to neighbouring threads).
+    lanes of a warp read adjacent quads (with tq = 1, the quads of half 0 of the tile and those of half 1 each have
+    their own threads). Lanes 2 i and 2 i + 1 take the same quads and two neighbouring thread rows; lanes 2 i and
+    2 i + 2 the same rows.
     Why: the shared memory returns 128 bytes a cycle, so a warp's 16-byte load takes four cycles, but two when
     lanes n and n ^ 1 (or n and n ^ 2) read the same address: here lanes n and n ^ 1 share every weight load and
     lanes n and n ^ 2 every 16-byte load of activations (tm = 4). An odd number of thread rows (the simulator's
