@@ -797,8 +797,8 @@ def add_norm_kernel(per_thread: int):
 
 
 def tile_rows(tile) -> int:
-    """Rows of a tile of tile_sums_kernel: its thread rows (threads over tile_quads per thread across its QUADS tx
-    quads of columns) of tm rows."""
+    """Rows of a tile: TILE_THREADS threads, QUADS tx / tile_quads(tile) of them across its columns (tile_thread),
+    the rest down its rows, tm rows a thread."""
     return TILE_THREADS * tile_quads(tile) // (QUADS * tile[0]) * tile[1]
 
 
