@@ -34,7 +34,7 @@ every split is capped by K; a model whose q and k, v projections split K differe
 import functools
 
 import numpy as np
-from numba import float32
+from numba import float32, int32
 
 from course_lib.kernels import cuda, empty, f32_weight, for_weight_dtypes, launch, pick
 from course_lib.kernels import matmul as mm
@@ -46,6 +46,7 @@ from course_lib.kernels.vector import store_quad
 
 PAIR = nw.VEC  # gate and up alternate in runs of PAIR columns in W_gu (one 16-byte load of a lane)
 QUAD = nw.QUAD  # float32 in a 16-byte access
+LAUNCH_ROWS = nw.LAUNCH_ROWS  # rows of a tile launch at most (a shared array's size: a constant of this module)
 TWO_QUADS = 2 * QUAD  # the columns narrow.quads_total sums at once (a compile-time constant: a local array's size)
 _KV_STORES = {np.dtype(np.float32): f32_weight, np.dtype(np.uint16): f32_to_bf16_bits}  # cache dtype -> its store
 
@@ -150,31 +151,42 @@ def _rope_tile_store_for(group, head_dim, bias_f32, store_kv):
     @cuda.jit(device=True)
     def rope_tile_store(g, partial, bias, cos, sin, k_table, v_table, positions, slots, q):
         """rope_store's outputs for the `group` columns of tile g (whole heads, hd / 2 a multiple of 4) and the
-        rows of q, four RoPE pairs of a row per thread: columns n .. n + 3 of a head's first half and their
-        partners hd / 2 further (quads_total), rotated as rope_store rotates, stored (q in 16-byte stores)."""
+        rows of q (at most LAUNCH_ROWS), four RoPE pairs of a row per thread: columns n .. n + 3 of a head's first
+        half and their partners hd / 2 further (quads_total), rotated as rope_store rotates, stored (q in 16-byte
+        stores). The rows' positions and slots are staged in shared memory first, and each thread asks for its cos
+        and sin before the slices: one latency of memory for the block, then one round of loads per thread's pairs."""
         t = cuda.local.array(TWO_QUADS, dtype=float32)
+        cs = cuda.local.array(QUAD, dtype=float32)
+        sn = cuda.local.array(QUAD, dtype=float32)
+        at_row = cuda.shared.array((2, LAUNCH_ROWS), dtype=int32)  # positions[r], slots[r]
         rows, N = q.shape[0], partial.shape[2]
         n_q, n_kv = q.shape[1], k_table.shape[1] * head_dim
+        for r in range(cuda.threadIdx.x, rows, cuda.blockDim.x):
+            at_row[0, r], at_row[1, r] = positions[r], slots[r]
+        cuda.syncthreads()
         for e in range(cuda.threadIdx.x, rows * pairs, cuda.blockDim.x):
             r, c = e // pairs, e % pairs
             i0 = QUAD * (c % (half // QUAD))  # the pairs' first index i in their head
             n = g * group + (c // (half // QUAD)) * head_dim + i0
             if n < N:
-                quads_total(partial, bias, r, n, half, t)
-                if n < n_q + n_kv:  # a q or k head
-                    p = positions[r]
+                rotated = n < n_q + n_kv  # a q or k head
+                if rotated:
                     for j in range(QUAD):
-                        y0, y1, cs, sn = t[j], t[QUAD + j], cos[p, i0 + j], sin[p, i0 + j]
-                        t[j], t[QUAD + j] = rotated_first(y0, y1, cs, sn), rotated_second(y0, y1, cs, sn)
+                        cs[j], sn[j] = cos[at_row[0, r], i0 + j], sin[at_row[0, r], i0 + j]
+                quads_total(partial, bias, r, n, half, t)
+                if rotated:
+                    for j in range(QUAD):
+                        y0, y1 = t[j], t[QUAD + j]
+                        t[j], t[QUAD + j] = rotated_first(y0, y1, cs[j], sn[j]), rotated_second(y0, y1, cs[j], sn[j])
                 if n < n_q:
                     store_quad(q, (r, n), t[0], t[1], t[2], t[3])
                     store_quad(q, (r, n + half), t[4], t[5], t[6], t[7])
-                elif slots[r] >= 0:
-                    at = (n - n_q) % n_kv
-                    table = k_table if n < n_q + n_kv else v_table
+                elif at_row[1, r] >= 0:
+                    slot, at = at_row[1, r], (n - n_q) % n_kv
+                    table = k_table if rotated else v_table
                     for j in range(QUAD):
-                        table[slots[r], at // head_dim, at % head_dim + j] = store_kv(t[j])
-                        table[slots[r], at // head_dim, at % head_dim + half + j] = store_kv(t[QUAD + j])
+                        table[slot, at // head_dim, at % head_dim + j] = store_kv(t[j])
+                        table[slot, at // head_dim, at % head_dim + half + j] = store_kv(t[QUAD + j])
 
     return rope_tile_store
 

@@ -131,6 +131,8 @@ ROWS_TILES = ((16, 4, 1), (32, 2), (32, 1)) if not SIMULATOR else ((2, 4, 1), (4
 # the tiles of matmul_transposed_rows, the largest first: the first whose rows the batch fills (SmolLM2's logits: the
 # fastest of eight tiles at 8, 16, 32 and 64 rows, data/batch_tiles_fused_h200.json, then (16, 4, 1), a quad of rows
 # of b a thread, faster than (16, 4) and (16, 2) at 32 and 64 rows, data/batch_tiles_lanes_h100.json)
+EPILOGUE_SLICES = sized(9, 2)  # slices a tile epilogue's thread reads at once (quads_total: 18 16-byte loads in
+# flight, 72 registers): SmolLM2's projections have 9 slices, one round of loads (the simulator's 2: several rounds)
 TILE_SLICE = WARPS * TILE_PIECE  # the longest slice of K a tile block takes: a residue fits in a piece
 NORMED_ROWS = 1  # the most rows a split-K block normalizes itself: with the norm inside, the kernel of 2 rows or more
 # needs more than the 128 registers a thread of 16 warps may have, and spills (ptxas, sm_90: 52 bytes a thread at 2
@@ -675,21 +677,21 @@ def quads_total_for(bias_f32):
     """The device function quads_total(partial, bias, r, n, far, t): t [8] = the K-sums of row r's columns n .. n + 3
     and n + far .. n + far + 3 (n, far multiples of 4; partial [S, R, N], N a multiple of 4), each the S slices added
     in slice order (+ bias[n], read by bias_f32; a bias of length 0 is none), the bits of column_total: 16-byte
-    loads, UNROLL slices of both quads in flight (the tile kernels' last blocks read them from the L2 cache, alone on
-    their SM: the loads in flight set their pace)."""
+    loads, EPILOGUE_SLICES slices of both quads in flight (the tile kernels' last blocks read them from the L2 cache,
+    alone on their SM: each round of loads is a latency of the L2 cache in a row)."""
 
     @cuda.jit(device=True)
     def quads_total(partial, bias, r, n, far, t):
-        buf = cuda.local.array((UNROLL, 8), dtype=float32)
+        buf = cuda.local.array((EPILOGUE_SLICES, 8), dtype=float32)
         S = partial.shape[0]
         for c in range(8):
             t[c] = float32(0)
-        for s0 in range(0, S, UNROLL):
-            for u in range(UNROLL):
+        for s0 in range(0, S, EPILOGUE_SLICES):
+            for u in range(EPILOGUE_SLICES):
                 if s0 + u < S:
                     buf[u, 0], buf[u, 1], buf[u, 2], buf[u, 3] = load_quad(partial, (s0 + u, r, n))
                     buf[u, 4], buf[u, 5], buf[u, 6], buf[u, 7] = load_quad(partial, (s0 + u, r, n + far))
-            for u in range(UNROLL):
+            for u in range(EPILOGUE_SLICES):
                 if s0 + u < S:
                     for c in range(8):
                         t[c] += buf[u, c]
