@@ -707,16 +707,15 @@ for rows in (1, narrow.KERNEL_ROWS, narrow.MAX_ROWS):  # the narrow kernels, one
             for tile in narrow.ROWS_TILES:
                 jobs.append((f"transposed_rows[{kind}, {tile}]", narrow.transposed_rows_kernel(tile, kind),
                              f"void({F2}, uint32[::1], {F2})"))
-            tiles = (*narrow.TILES[0], 32)
-            jobs.append((f"matmul_tiles_add[{kind}]", narrow.kernel_for("split_k", kind, rows, "f32", True,
-                                                                        tiles=tiles),
-                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
-            jobs.append(("add_norm_epilogue", narrow.add_norm_kernel(3), f"void({F3}, {F2}, {F1}, float32, {F2})"))
-            jobs.append((f"qkv_rope_tiles[{kind}]", fused.qkv_rope_tiles_kernel(tiles, kind, "f32", np.uint16, 64),
-                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2}, {F2}, uint16[:, :, ::1], "
-                         f"uint16[:, :, ::1], {I1}, {I1}, {F2})"))
-            jobs.append((f"gate_up_swiglu_tiles[{kind}]", fused.gate_up_tiles_kernel(tiles, kind, "f32"),
-                         f"void({F2}, {F1}, float32, {w2}, {F1}, {F3}, {I1}, {F2})"))
+            if kind == "bf16x8":  # the tile epilogues' launches (they read no weights), for the first tile
+                group = narrow.VEC * narrow.TILES[0][0]
+                jobs.append(("matmul_tiles_store_add", narrow.kernel_for("split_k", kind, rows, "f32", True,
+                                                                         group=group), f"void({F3}, {F1}, {F2})"))
+                jobs.append(("add_norm_epilogue", narrow.add_norm_kernel(3), f"void({F3}, {F2}, {F1}, float32, {F2})"))
+                jobs.append(("qkv_rope_tiles", fused.qkv_rope_tiles_kernel(group, "f32", np.uint16, 64),
+                             f"void({F3}, {F1}, {F2}, {F2}, uint16[:, :, ::1], uint16[:, :, ::1], {I1}, {I1}, {F2})"))
+                jobs.append(("gate_up_swiglu_tiles", fused.gate_up_tiles_kernel(group, "f32"),
+                             f"void({F3}, {F1}, {F2})"))
         a2 = "uint32[::1]" if kind.endswith("x8") else F2  # 16-byte loads of a too
         jobs.append((f"transposed[{kind}, R={rows}]", narrow.kernel_for("transposed", kind, rows),
                      f"void({F2}, {F1}, float32, {a2}, {w2}, {F2})" if kind.endswith("x8")
@@ -831,8 +830,10 @@ class _RecordingRuntime(_CountingRuntime):
         self.partials = []
 
     def launch(self, name, kernel, grid, block, *args):
-        if name.startswith(("matmul_split_k", "matmul_tiles")):
+        if name.startswith("matmul_split_k"):
             self.partials.append(args[5].shape)  # (a, gamma, eps, weights, bias, partial, done, out)
+        elif name.startswith("split_k_tile_sums"):
+            self.partials.append(args[2].shape)  # (a, weights, partial); its epilogue's launch reads that one
         super().launch(name, kernel, grid, block, *args)
 
 
@@ -864,7 +865,7 @@ def test_matmul_narrow(rng, M, N, dtype, bias_dtype):
     # chunks (any number with 16-byte loads, a multiple of KERNEL_ROWS else); then the rest
     assert (rows, cols) == (max(whole, M - whole), N) and slices >= 2 and K % slices != 0  # K not a multiple
     if N % 8 == 0:  # a batch's rows: the tile kernel, its sums and their epilogue (the bias inside)
-        want = ["matmul_tiles"] if whole else ["matmul_split_k_vec"]
+        want = ["split_k_tile_sums_vec", "matmul_tiles_store"] if whole else ["matmul_split_k_vec"]
     else:
         want = ["matmul_split_k"] * ((whole > 0) + (whole < M))
     assert rt.launched == want
@@ -910,7 +911,10 @@ def test_matmul_narrow_many_rows(rng, N):
     rt = _RecordingRuntime()
     got = nw.matmul_narrow(dev(a), dev(b), dev(bias), out=poisoned((M, N)), rt=rt).copy_to_host()
     check(got, want, tol)
-    assert len(rt.launched) == (2 if N % 8 == 0 else 3) and {rows for _, rows, _ in rt.partials} == {nw.LAUNCH_ROWS}
+    tiled = ["split_k_tile_sums_vec", "matmul_tiles_store"]  # the slices' sums, then the epilogue's launch
+    assert rt.launched == (2 * tiled if N % 8 == 0 else ["matmul_split_k"] * 3)
+    assert [rows for _, rows, _ in rt.partials] == ([nw.LAUNCH_ROWS, M - nw.LAUNCH_ROWS] if N % 8 == 0  # the tile
+                                                    else [nw.LAUNCH_ROWS] * 3)  # launches' views of one scratch
     for r in (M - 1, nw.tile_rows(nw.TILES[0]) + 1):  # the last row, and one of the second chunk of the first launch
         alone = nw.matmul_narrow(dev(a[r:r + 1]), dev(b), dev(bias)).copy_to_host()
         np.testing.assert_array_equal(got[r:r + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {r}")
@@ -944,8 +948,9 @@ def test_matmul_narrow_accumulate_is_the_add_kernel_bit_for_bit(rng, M, N, dtype
     fused = nw.matmul_narrow(a_dev, b_dev, out=dev(x), rt=rt, accumulate=True).copy_to_host()
     np.testing.assert_array_equal(fused.view(np.uint32), separate.view(np.uint32))
     check(fused, x + want, tol)
-    if N % 8 == 0:  # 6 rows: the tile kernel, its last blocks adding
-        assert set(rt.launched) == ({"matmul_split_k_vec_add"} if M <= nw.KERNEL_ROWS else {"matmul_tiles_add"})
+    if N % 8 == 0:  # 6 rows: the tile kernel, then its epilogue's launch adding
+        assert rt.launched == (["matmul_split_k_vec_add"] if M <= nw.KERNEL_ROWS
+                               else ["split_k_tile_sums_vec", "matmul_tiles_store_add"])
     else:
         assert set(rt.launched) == {"matmul_split_k_add"}
     with pytest.raises(ValueError, match="give out"):

@@ -14,11 +14,11 @@ normalized by rms_norm first, `narrow.NORMED_ROWS`: the norm inside would spill 
   side by side, in the same group, and writes only the product. It replaces a norm, two matmuls and SwiGLU's
   elementwise kernel, and the [T, 2 d_ff] intermediate never reaches memory.
 
-A batch's rows (more than narrow.KERNEL_ROWS) go through the tile kernels instead (`qkv_rope_tiles_kernel`,
-`gate_up_tiles_kernel`): the slices' sums of tiles of rows and columns (`narrow.tile_chunk_for`), then the same
-epilogue arithmetic in the last of each tile's blocks to finish, four outputs (and their partners) a thread,
-the slices read 16 bytes at a time (`_rope_tile_store_for`, `_swiglu_tile_store_for`). A tile's columns are whole
-heads for RoPE.
+A batch's rows (more than narrow.KERNEL_ROWS) go through the tile kernels instead: the slices' sums of tiles of rows
+and columns (`narrow.tile_sums_kernel`), then the same epilogue arithmetic in a launch of its own
+(`qkv_rope_tiles_kernel`, `gate_up_tiles_kernel`: a block per tile of columns and narrow.EPILOGUE_ROWS rows, four
+outputs and their partners a thread, the slices read 16 bytes at a time: `_rope_tile_store_for`,
+`_swiglu_tile_store_for`). A tile's columns are whole heads for RoPE.
 
 For a prefill's many rows, SwiGLU in the tiled matmul (the body of `matmul.tile_product`), the paper's two
 strategies: `swiglu_two_passes` (a block computes its gate tile, takes its SiLU in registers, then computes the up
@@ -241,21 +241,19 @@ def qkv_rope_kernel(rows, kind, bias, normed, kv_dtype, head_dim, chunked=False)
 
 
 @functools.cache
-def qkv_rope_tiles_kernel(tiles, kind, bias, kv_dtype, head_dim):
-    """qkv_rope for a batch's rows: narrow.tile_chunk_for(tiles = (*tile, residue)), then rope_tile_store in each
-    tile's last block (its VEC tx columns whole heads)."""
-    chunk = nw.tile_chunk_for(tiles[:-1], kind, tiles[-1])
-    epilogue = _rope_tile_store_for(nw.VEC * tiles[0], head_dim, nw.BIAS_READERS[bias],
-                                    _KV_STORES[np.dtype(kv_dtype)])
+def qkv_rope_tiles_kernel(group, bias, kv_dtype, head_dim):
+    """qkv_rope's epilogue for a batch's rows, a launch of its own after narrow.tile_sums_kernel's (tiles of `group`
+    columns, whole heads): rope_tile_store on the rows of narrow.epilogue_rows."""
+    epilogue = _rope_tile_store_for(group, head_dim, nw.BIAS_READERS[bias], _KV_STORES[np.dtype(kv_dtype)])
 
-    def qkv_rope_tiles(a, gamma, eps, b, bias, partial, done, cos, sin, k_table, v_table, positions, slots, q):
-        """[q | k | v] = a @ b (+ bias), RoPE, q stored, k and v written to the cache, through partial and done
-        (narrow.tile_kernel's). Grid (ceil(N / (VEC tx)), S, ceil(R / rows)), TILE_THREADS."""
-        g, lo, hi = chunk(a, b, partial)
-        if nw.tile_done(g, partial, done):
-            epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi], q[lo:hi])
+    def qkv_rope_tiles(partial, bias, cos, sin, k_table, v_table, positions, slots, q):
+        """[q | k | v] = the K-sums of partial [S, R, N] (+ bias), RoPE, q stored, k and v written to the cache.
+        Grid (ceil(N / group), 1, ceil(R / EPILOGUE_ROWS)), EPILOGUE_THREADS."""
+        inputs_ready()
+        g, lo, hi = nw.epilogue_rows(q.shape[0])
+        epilogue(g, partial[:, lo:hi], bias, cos, sin, k_table, v_table, positions[lo:hi], slots[lo:hi], q[lo:hi])
 
-    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[:-1]))(qkv_rope_tiles))
+    return waits_for_inputs(cuda.jit(qkv_rope_tiles))
 
 
 @functools.cache
@@ -283,20 +281,19 @@ def gate_up_kernel(rows, kind, bias, normed, chunked=False):
 
 
 @functools.cache
-def gate_up_tiles_kernel(tiles, kind, bias):
-    """gate_up_swiglu for a batch's rows: narrow.tile_chunk_for(tiles = (*tile, residue)), then swiglu_tile_store
-    in each tile's last block."""
-    chunk = nw.tile_chunk_for(tiles[:-1], kind, tiles[-1])
-    epilogue = _swiglu_tile_store_for(nw.VEC * tiles[0], nw.BIAS_READERS[bias])
+def gate_up_tiles_kernel(group, bias):
+    """gate_up_swiglu's epilogue for a batch's rows, a launch of its own after narrow.tile_sums_kernel's (tiles of
+    `group` columns): swiglu_tile_store on the rows of narrow.epilogue_rows."""
+    epilogue = _swiglu_tile_store_for(group, nw.BIAS_READERS[bias])
 
-    def gate_up_swiglu_tiles(a, gamma, eps, b, bias, partial, done, out):
-        """out = silu(gate) * up of a @ W_gu (+ bias), through partial and done (narrow.tile_kernel's). Grid
-        (ceil(2F / (VEC tx)), S, ceil(R / rows)), TILE_THREADS."""
-        g, lo, hi = chunk(a, b, partial)
-        if nw.tile_done(g, partial, done):
-            epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
+    def gate_up_swiglu_tiles(partial, bias, out):
+        """out = silu(gate) * up of the K-sums of partial [S, R, 2F] (+ bias). Grid (ceil(2F / group), 1, ceil(R /
+        EPILOGUE_ROWS)), EPILOGUE_THREADS."""
+        inputs_ready()
+        g, lo, hi = nw.epilogue_rows(out.shape[0])
+        epilogue(g, partial[:, lo:hi], bias, out[lo:hi])
 
-    return waits_for_inputs(cuda.jit(**nw.tile_bounds(tiles[:-1]))(gate_up_swiglu_tiles))
+    return waits_for_inputs(cuda.jit(gate_up_swiglu_tiles))
 
 
 # ---- host wrappers (stream: a CUDA stream; rt: a course_lib.gpu.runtime.Runtime, used instead when given) ----
@@ -324,9 +321,9 @@ def qkv_rope(x, w_qkv, bias, norm, cos, sin, positions, slots, q, k_table, v_tab
         raise ValueError(f"qkv_rope: x {x.shape}, w_qkv {w_qkv.shape}, q {q.shape}, k_table {k_table.shape}, "
                          f"v_table {v_table.shape}, positions {positions.shape}, slots {slots.shape}")
     width, kv_dtype = _width(N, w_qkv, hd), np.dtype(k_table.dtype)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, tiles: (
-                            qkv_rope_kernel(rows, kind, bias_kind, normed, kv_dtype, hd, chunked) if tiles is None
-                            else qkv_rope_tiles_kernel(tiles, kind, bias_kind, kv_dtype, hd)),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, group: (
+                            qkv_rope_kernel(rows, kind, bias_kind, normed, kv_dtype, hd, chunked) if group is None
+                            else qkv_rope_tiles_kernel(group, bias_kind, kv_dtype, hd)),
                         x, w_qkv, bias, norm, (cos, sin, k_table, v_table), (positions, slots, q), stream, rt, width,
                         unit=hd if hd % (2 * QUAD) == 0 else None)
     return q
@@ -340,9 +337,9 @@ def gate_up_swiglu(x, w_gu, norm, out, bias=None, stream=0, rt=None):
     if w_gu.shape[0] != x.shape[1] or out.shape != (T, N // 2) or N % (2 * PAIR):
         raise ValueError(f"gate_up_swiglu: x {x.shape}, w_gu {w_gu.shape}, out {out.shape}")
     width = _width(N, w_gu, 2 * PAIR)
-    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, tiles: (
-                            gate_up_kernel(rows, kind, bias_kind, normed, chunked) if tiles is None
-                            else gate_up_tiles_kernel(tiles, kind, bias_kind)),
+    nw.split_k_launches(lambda rows, kind, bias_kind, normed, chunked, group: (
+                            gate_up_kernel(rows, kind, bias_kind, normed, chunked) if group is None
+                            else gate_up_tiles_kernel(group, bias_kind)),
                         x, w_gu, bias, norm, (), (out,), stream, rt, width, slices_of=N // 2, unit=2 * PAIR)
     return out
 

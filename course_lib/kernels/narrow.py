@@ -24,11 +24,13 @@ warps can have). A launch of more rows (a batch's, up to LAUNCH_ROWS) sums the s
 (warp w sums the slice's rows k0 + w, k0 + w + WARPS, ... by FMAs from zero, the warps' sums are added in warp
 order), and a thread holding an output can follow it, walking the slice residue after residue with two registers
 per output (the residue's running sum, the total of the residues before it). Each weight staged in shared memory
-then serves the tile's 8 to 64 rows instead of 4. The epilogue (slices added in order, bias or residual, and the
-fused epilogues of kernels/fused) runs in the last of a tile's S blocks to finish (`tile_done`), which reads the
-slices 16 bytes at a time (`quads_total_for`); for the residual stream followed by a norm, the tile kernel writes
-the sums only (`tile_sums_kernel`) and a second launch, a block per row, adds and normalizes (`add_norm_epilogue`:
-a block holds the whole row). Without 16-byte
+then serves the tile's 8 to 64 rows instead of 4. The tile kernel writes the slices' sums only
+(`tile_sums_kernel`), and the epilogue (slices added in order, bias or residual, and the fused epilogues of
+kernels/fused) is a second launch: a block per tile of columns and EPILOGUE_ROWS rows, reading the slices 16 bytes at
+a time (`quads_total_for`), or for the residual stream followed by a norm a block per row, which adds and
+normalizes (`add_norm_epilogue`: a block holds the whole row). (The epilogue in the last of a tile's S blocks to
+finish, elected by a counter, cost one launch less but was slower: one SM then reads a whole tile's slices while
+the others idle.) Without 16-byte
 loads, a launch of many rows has a block per chunk of KERNEL_ROWS rows (`rows_of_block`) calling the split-K block
 on its rows, each chunk with its own completion counters. A row's result therefore does not depend on R (the
 slices depend only on K and N, and each row's additions are made in the same order whatever the geometry): one
@@ -131,6 +133,9 @@ ROWS_TILES = ((16, 4, 1), (32, 2), (32, 1)) if not SIMULATOR else ((2, 4, 1), (4
 # the tiles of matmul_transposed_rows, the largest first: the first whose rows the batch fills (SmolLM2's logits: the
 # fastest of eight tiles at 8, 16, 32 and 64 rows, data/batch_tiles_fused_h200.json, then (16, 4, 1), a quad of rows
 # of b a thread, faster than (16, 4) and (16, 2) at 32 and 64 rows, data/batch_tiles_lanes_h100.json)
+EPILOGUE_ROWS = sized(8, 2)  # rows of a block of a tile epilogue's launch (a tile's columns x these rows: the
+# slices of a tile read by many SMs, not by its last block alone)
+EPILOGUE_THREADS = sized(128, 32)  # its threads: one output quad (and its partner) a thread at 8 rows of 128 columns
 EPILOGUE_SLICES = sized(9, 2)  # slices a tile epilogue's thread reads at once (quads_total: 18 16-byte loads in
 # flight, 72 registers): SmolLM2's projections have 9 slices, one round of loads (the simulator's 2: several rounds)
 TILE_SLICE = WARPS * TILE_PIECE  # the longest slice of K a tile block takes: a residue fits in a piece
@@ -650,17 +655,10 @@ def tile_chunk_for(tile, kind, residue=0):
     return tile_chunk
 
 
-@cuda.jit(device=True)
-def tile_done(g, partial, done):
-    """True in the last of the S blocks of the tile of columns g and chunk blockIdx.z to finish (counter z gx + g of
-    done [gx x chunks], last_to_arrive): partial then holds every slice of its rows x columns."""
-    return last_to_arrive(done, cuda.blockIdx.z * cuda.gridDim.x + g, partial.shape[0])
-
-
 @functools.cache
 def tile_sums_kernel(tile, kind, residue=0):
-    """The kernel of tile_chunk_for alone: the slices' sums of a batch's rows into partial, a block per (tile of
-    columns, slice, chunk of rows), no epilogue (the building block the tests and notebook 07 time)."""
+    """The kernel of tile_chunk_for: the slices' sums of a batch's rows into partial, a block per (tile of columns,
+    slice, chunk of rows); the epilogue is the next launch (split_k_launches)."""
     chunk = tile_chunk_for(tile, kind, residue)
 
     def split_k_tile_sums(a, b, partial):
@@ -677,8 +675,8 @@ def quads_total_for(bias_f32):
     """The device function quads_total(partial, bias, r, n, far, t): t [8] = the K-sums of row r's columns n .. n + 3
     and n + far .. n + far + 3 (n, far multiples of 4; partial [S, R, N], N a multiple of 4), each the S slices added
     in slice order (+ bias[n], read by bias_f32; a bias of length 0 is none), the bits of column_total: 16-byte
-    loads, EPILOGUE_SLICES slices of both quads in flight (the tile kernels' last blocks read them from the L2 cache,
-    alone on their SM: each round of loads is a latency of the L2 cache in a row)."""
+    loads, EPILOGUE_SLICES slices of both quads in flight (from the L2 cache: each round of loads is one of its
+    latencies in a row)."""
 
     @cuda.jit(device=True)
     def quads_total(partial, bias, r, n, far, t):
@@ -705,7 +703,7 @@ def quads_total_for(bias_f32):
 
 @functools.cache
 def tile_store_for(group, bias_f32, accumulate):
-    """The plain epilogue of a tile's last block, tile_store(g, partial, bias, out): store_group's sums for the
+    """The plain epilogue of the tile launches, tile_store(g, partial, bias, out): store_group's sums for the
     `group` columns of tile g and the rows of out [R, N] (N a multiple of 8), eight columns a thread at a time
     (quads_total, then 16-byte stores)."""
     quads_total = quads_total_for(bias_f32)
@@ -729,24 +727,30 @@ def tile_store_for(group, bias_f32, accumulate):
     return tile_store
 
 
+@cuda.jit(device=True)
+def epilogue_rows(R):
+    """(g, lo, hi) of block (g, 0, z) of a tile epilogue's launch over R rows: its tile of columns g and the rows
+    lo .. hi - 1 (EPILOGUE_ROWS of them, fewer in the last block)."""
+    lo = cuda.blockIdx.z * EPILOGUE_ROWS
+    return cuda.blockIdx.x, lo, min(R, lo + EPILOGUE_ROWS)
+
+
 @functools.cache
-def tile_kernel(tile, kind, residue, bias, accumulate):
-    """The tile kernel of the split-K family: tile_chunk, then in each tile's last block to finish the plain
-    epilogue (tile_store: + bias, or added into out when `accumulate`): one launch for the slices' sums and their
-    epilogue."""
-    chunk = tile_chunk_for(tile, kind, residue)
-    store = tile_store_for(VEC * tile[0], BIAS_READERS[bias], accumulate)
+def tile_store_kernel(group, bias, accumulate):
+    """The plain epilogue of the tile launches as a launch of its own (tile_store: + bias, or added into out when
+    `accumulate`), after tile_sums_kernel's."""
+    store = tile_store_for(group, BIAS_READERS[bias], accumulate)
 
-    def matmul_tiles(a, gamma, eps, b, bias, partial, done, out):
-        """out (+)= a [R, K] @ b [K, N] (+ bias [N]) through partial [S, R, N] and done [gx x chunks]. Grid (gx =
-        ceil(N / (VEC tx)), S, ceil(R / rows)), TILE_THREADS. gamma, eps: unused (many rows are normalized by
-        rms_norm first)."""
-        g, lo, hi = chunk(a, b, partial)
-        if tile_done(g, partial, done):
-            store(g, partial[:, lo:hi], bias, out[lo:hi])
+    def matmul_tiles_store(partial, bias, out):
+        """out (+)= the K-sums of partial [S, R, N] (+ bias [N]). Grid (ceil(N / group), 1, ceil(R /
+        EPILOGUE_ROWS)), EPILOGUE_THREADS."""
+        inputs_ready()
+        g, lo, hi = epilogue_rows(out.shape[0])
+        store(g, partial[:, lo:hi], bias, out[lo:hi])
 
-    matmul_tiles.__name__ = matmul_tiles.__qualname__ = "matmul_tiles" + ("_add" if accumulate else "")
-    return waits_for_inputs(cuda.jit(**tile_bounds(tile))(matmul_tiles))
+    matmul_tiles_store.__name__ = matmul_tiles_store.__qualname__ = "matmul_tiles_store" + ("_add" if accumulate
+                                                                                            else "")
+    return waits_for_inputs(cuda.jit(matmul_tiles_store))
 
 
 @functools.cache
@@ -1034,19 +1038,20 @@ _TRANSPOSED = {
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked, tiles) -> kernel
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked, group) -> kernel
 
 
 def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,
-               chunked: bool = False, tiles=None):
+               chunked: bool = False, group=None):
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
-    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, and the slices summed in
-    tiles when `tiles` = (*tile, residue) (tile_kernel); built and cached on first use."""
-    key = (family, kind, rows, bias, accumulate, normed, chunked, tiles)
+    normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, or (split_k, `group` not
+    None) the epilogue of the tile launches whose tiles have `group` columns (tile_store_kernel); built and cached on
+    first use."""
+    key = (family, kind, rows, bias, accumulate, normed, chunked, group)
     if key not in _KERNELS:
-        if family == "split_k" and tiles is not None:
-            _KERNELS[key] = tile_kernel(tiles[:-1], kind, tiles[-1], bias, accumulate)
+        if family == "split_k" and group is not None:
+            _KERNELS[key] = tile_store_kernel(group, bias, accumulate)
         elif family == "split_k":
             _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked)
         else:
@@ -1115,8 +1120,8 @@ def matmul_narrow(a, b, bias=None, out=None, stream=0, rt=None, accumulate: bool
     out = empty((R, N), np.float32, stream, rt) if out is None else out
     gamma, eps = norm_args(None if norm_after is None else norm_after[:2], N)
     h = None if norm_after is None else norm_after[2]
-    left = split_k_launches(lambda rows, kind, bias_kind, normed, chunked, tiles: kernel_for(
-                                "split_k", kind, rows, bias_kind, accumulate, normed, chunked, tiles),
+    left = split_k_launches(lambda rows, kind, bias_kind, normed, chunked, group: kernel_for(
+                                "split_k", kind, rows, bias_kind, accumulate, normed, chunked, group),
                             a, b, bias, norm, (), (out,), stream, rt, norm_after=(gamma, eps, h))
     for lo, hi in left if h is not None else ():  # the rows no epilogue normalized: one rms_norm per range
         rms_norm(out[lo:hi], gamma, eps, out=h[lo:hi], stream=stream, rt=rt)
@@ -1137,13 +1142,15 @@ def tile_of(N: int, n: int, slices: int, unit: int = VEC):
 def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, width=None, slices_of=None,
                      norm_after=None, unit=VEC):
     """The launches of a split-K kernel on a [R, K] and b [K, N] (one after another on the stream: they share one
-    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked, tiles)[grid, threads](a[part], gamma, eps,
+    scratch): kernel_of(rows, weight kind, bias kind, normed, chunked, None)[grid, threads](a[part], gamma, eps,
     weights, bias, partial, done, *fixed, *(x[part] for x in sliced)).
     - R <= KERNEL_ROWS: one launch of R rows.
-    - More, with 16-byte loads (a batch's rows): launches of up to LAUNCH_ROWS rows, each one tile kernel (tiles =
-      (tx, tm, residue); TILE_THREADS): the slices' sums of tiles of rows and columns (each weight read once per tile
-      of rows; the tile from tile_of, its columns whole units of `unit`), then the epilogue in each tile's last block
-      to finish; with norm_after, the sums alone (tile_sums_kernel), then add_norm_epilogue, a block per row.
+    - More, with 16-byte loads (a batch's rows): launches of up to LAUNCH_ROWS rows, each two launches: the slices'
+      sums of tiles of rows and columns (tile_sums_kernel, TILE_THREADS: each weight read once per tile of rows; the
+      tile from tile_of, its columns whole units of `unit`), then the epilogue, a block per tile of columns and
+      EPILOGUE_ROWS rows: kernel_of(rows, weight kind, bias kind, False, False, group)[grid, EPILOGUE_THREADS](
+      partial, bias, *fixed, *(x[part] for x in sliced)), group the tile's columns; with norm_after,
+      add_norm_epilogue instead, a block per row.
     - More, one element per load (or slices longer than TILE_SLICE, no tile of whole units, or an output the tile
       epilogues cannot store 16 bytes at a time: not C-contiguous, unaligned): launches of up to
       LAUNCH_ROWS rows, a multiple of KERNEL_ROWS, a block per chunk of KERNEL_ROWS rows (grid (groups, S, chunks),
@@ -1178,11 +1185,9 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
             for lo, hi in parts]
     most = max(hi - lo for lo, hi in parts)
     chunks = -(-most // KERNEL_ROWS)
-    counters = max([groups * chunks] + [-(-N // (VEC * t[0])) * -(-(hi - lo) // tile_rows(t))
-                                        for lo, hi, t in plan if t is not None])
     shape = (slices, most, N)
-    partial, done = ((partial_sums(shape), completion_counters(counters)) if rt is None
-                     else rt.split_k_scratch(shape, counters))
+    partial, done = ((partial_sums(shape), completion_counters(groups * chunks)) if rt is None
+                     else rt.split_k_scratch(shape, groups * chunks))
     weights, bias = words(b) if width == VEC else b, no_bias() if bias is None else bias
     if norm is not None and R > NORMED_ROWS:  # rms_norm first: the same bits, and no spilled registers
         a = rms_norm(a, *norm_args(norm, K), out=empty(a.shape, np.float32, stream, rt, name="normed_rows"),
@@ -1201,17 +1206,17 @@ def split_k_launches(kernel_of, a, b, bias, norm, fixed, sliced, stream, rt, wid
         if n <= KERNEL_ROWS:
             launch(kernel_of(n, kind, bias_kind, norm is not None, False, None), (groups, slices, 1), THREADS,
                    stream, rt, *args)
-        elif tile is not None:
-            grid = (-(-N // (VEC * tile[0])), slices, -(-n // tile_rows(tile)))
+        elif tile is not None:  # the slices' sums in tiles, then the epilogue: two launches
+            gx = -(-N // (VEC * tile[0]))
+            launch(tile_sums_kernel(tile, kind, residue), (gx, slices, -(-n // tile_rows(tile))), TILE_THREADS,
+                   stream, rt, a_rows, weights, partial[:, :n])
             if normalizes:  # the residual added and the next norm in one launch, a block per row
                 after_gamma, after_eps, h = norm_after
-                launch(tile_sums_kernel(tile, kind, residue), grid, TILE_THREADS, stream, rt, a_rows, weights,
-                       partial[:, :n])
                 launch(add_norm_kernel(-(-N // NORM_THREADS)), n, NORM_THREADS, stream, rt, partial[:, :n], rest[0],
                        after_gamma, after_eps, h[lo:hi])
             else:
-                launch(kernel_of(tile_rows(tile), kind, bias_kind, False, False, (*tile, residue)), grid,
-                       TILE_THREADS, stream, rt, *args)
+                launch(kernel_of(n, kind, bias_kind, False, False, VEC * tile[0]), (gx, 1, -(-n // EPILOGUE_ROWS)),
+                       EPILOGUE_THREADS, stream, rt, partial[:, :n], bias, *fixed, *rest)
         else:
             launch(kernel_of(KERNEL_ROWS, kind, bias_kind, norm is not None, True, None),
                    (groups, slices, n // KERNEL_ROWS), THREADS, stream, rt, *args)
