@@ -670,4 +670,45 @@ def test_paired_lanes_prose_quotes_its_runs():
     assert all(p < c for p, c in zip(paired, cols, strict=True)) and all(r["same_text"] for r in real["batch"])
     assert all(quads[s, (16, 4, 1)] > quads[s, (16, 2)] for s in shapes) and logits[16, 4, 1] < logits[16, 4]
     assert rate[64] > max(real["peers"].values())
-    assert f"{rate[64] / rate[1]:.1f} on an H100 once the lanes were paired" in prose("07", "## What is not done yet")
+    assert f"on an H100 {rate[64] / rate[1]:.1f} once the lanes were paired" in prose("07", "## What is not done yet")
+
+
+def test_split_epilogues_prose_quotes_its_runs():
+    """Notebook 07: the tile epilogues taken apart, kept in flight, then made launches of their own, measured on a lent
+    H100 (data/batch_epilogues_h100.json, data/bench_batch_split_h100.json)."""
+    run = recorded("batch_epilogues_h100.json")
+    parts = {r["shape"]: {k: min(v) for k, v in r.items() if isinstance(v, list) and k != "tile"}
+             for r in run["parts_us"] if r["R"] == 64}
+    split = {r["shape"]: r for r in run["split_us"] if r["R"] == 64}
+    graph = {k: v["step_graph_ms"] for b in ("epi_bench", "split_bench") for k, v in run[b].items()
+             if not k.startswith("epi")}
+    epi = {k: run[b][k]["step_graph_ms"] for b, k in (("epi_bench", "epi"), ("epi_bench", "epi_again"))}
+    before = [run["split_bench"][k]["step_graph_ms"] for k in ("epi", "epi_again")]
+    rate = {k: run["split_bench"][k]["batch"][-1]["tokens_per_s"] for k in run["split_bench"]}
+    real = recorded("bench_batch_split_h100.json")
+    tps = {r["batch"]: r["tokens_per_s"] for r in real["batch"]}
+    q = parts["qkv"]
+    text = prose("07", "### Epilogues in launches of their own")
+    for figure in (f"takes {q['sums']:.2f} µs for the slices' sums alone, {q['elect']:.2f} once each tile's last "
+                   f"block is elected, {q['plain']:.2f} once that block adds and stores the slices, and "
+                   f"{q['fused']:.2f} with RoPE and the cache writes",
+                   f"takes {q['epi_only']:.2f} µs as a launch of its own, where an empty launch of the same grid takes "
+                   f"{q['empty']:.2f}",
+                   f"took {epi['epi']:.3f} and {epi['epi_again']:.3f} ms in its graph against {graph['main']:.3f} and "
+                   f"{graph['main_again']:.3f}",
+                   f"take {split['qkv']['rb8x128']:.2f} µs for QKV against {split['qkv']['fused']:.2f} for the fused "
+                   f"kernel, and {split['gate_up']['rb8x128']:.2f} for gate/up against {split['gate_up']['fused']:.2f}",
+                   f"the step {graph['split']:.3f} and {graph['split_again']:.3f} ms against {before[0]:.3f} and "
+                   f"{before[1]:.3f}", f"at 64 {rate['split']:,.0f} and {rate['split_again']:,.0f} tokens/s against "
+                   f"{rate['epi']:,.0f} and {rate['epi_again']:,.0f}",
+                   f"{tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} at "
+                   f"64 ({tps[64] / tps[1]:.1f} times batch 1)",
+                   f"{real['peers']['graph']:,.0f} tokens/s with a graph and {real['peers']['compile+graph']:,.0f} "
+                   "compiled"):
+        assert figure in text, f"notebook 07 does not quote {figure!r}"
+    assert all(r[k] for r in run["split_us"] for k in r if k.endswith("_same"))
+    assert all(r["same_text"] for b in ("epi_bench", "split_bench") for v in run[b].values() for r in v["batch"]
+               if "same_text" in r) and all(r["same_text"] for r in real["batch"])
+    assert tps[64] / tps[1] >= 30 and tps[64] > max(real["peers"].values())
+    assert f"on an H100 28.8 once the lanes were paired, {tps[64] / tps[1]:.1f} once the epilogues" in prose(
+        "07", "## What is not done yet")
