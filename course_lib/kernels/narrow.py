@@ -561,8 +561,9 @@ def prefetch_slice_for(units):
 def column_total_for(bias_f32):
     """The device function column_total(partial, bias, r, n): the K-sum of column n of row r, the S slices of
     partial added in slice order (sum_slices), + bias[n] read by bias_f32 (a bias of length 0 is none). The split-K
-    kernels' epilogues start from it (store_group here, those of kernels/fused); the tile kernels' last blocks and
-    add_norm_epilogue add the slices in the same order, 16 bytes at a time (quads_total), for the same bits."""
+    kernels' epilogues start from it (store_group here, those of kernels/fused); the tile launches' epilogues add the
+    slices in the same order 16 bytes at a time (quads_total), add_norm_epilogue in the same order too: the same
+    bits."""
 
     @cuda.jit(device=True)
     def column_total(partial, bias, r, n):
