@@ -1039,7 +1039,7 @@ _TRANSPOSED = {
     "f32x8": lambda rows, normed: _make_transposed_vec(rows, f32x8, normed),
     "bf16x8": lambda rows, normed: _make_transposed_vec(rows, bf16x8, normed),
 }
-_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked, group) -> kernel
+_KERNELS = {}  # (family, weight kind, rows, bias kind, accumulate, normed, chunked) -> kernel
 
 
 def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate: bool = False, normed: bool = False,
@@ -1047,13 +1047,13 @@ def kernel_for(family: str, kind: str, rows: int, bias: str = "f32", accumulate:
     """The kernel of `family` ("split_k" or "transposed") for weight kind "f32", "bf16", "f32x8" or "bf16x8",
     R = rows and (split_k) a bias stored as `bias` ("f32" or "bf16"), adding into its output when `accumulate`,
     normalizing its rows of a when `normed`, a block per chunk of rows when `chunked`, or (split_k, `group` not
-    None) the epilogue of the tile launches whose tiles have `group` columns (tile_store_kernel); built and cached on
-    first use."""
-    key = (family, kind, rows, bias, accumulate, normed, chunked, group)
+    None) the epilogue of the tile launches whose tiles have `group` columns (tile_store_kernel, cached by the only
+    arguments it depends on: not the weight kind nor the rows); built and cached on first use."""
+    if family == "split_k" and group is not None:
+        return tile_store_kernel(group, bias, accumulate)
+    key = (family, kind, rows, bias, accumulate, normed, chunked)
     if key not in _KERNELS:
-        if family == "split_k" and group is not None:
-            _KERNELS[key] = tile_store_kernel(group, bias, accumulate)
-        elif family == "split_k":
+        if family == "split_k":
             _KERNELS[key] = _make_split_k(rows, *SPLIT_K_LOADS[kind], BIAS_READERS[bias], accumulate, normed, chunked)
         else:
             _KERNELS[key] = _TRANSPOSED[kind](rows, normed)
