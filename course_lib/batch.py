@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import reference
-from .device import gpu_available
+from .device import check_fits_simulator, gpu_available
 from .generate import Generation, TextStream, check_request, prompt_ids
 from .gpu.kv_cache import PAGE_SIZE, PagedKVCache
 from .kernels import SIMULATOR, cuda
@@ -334,6 +334,8 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
         raise ValueError(f"max_running must be an integer >= 1, got {max_running!r}")
     if backend not in ("auto", "numpy", "cuda"):
         raise ValueError(f"unknown backend {backend!r} (backends: auto, numpy, cuda)")
+    if backend == "cuda":
+        check_fits_simulator(model.config)
     seeds = _seeds(seed, len(prompts))
     c = model.config
     seqs, problems = [], []

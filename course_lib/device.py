@@ -33,6 +33,19 @@ def by_mode(gpu, simulator):
     return gpu if gpu_available() else simulator
 
 
+SIMULATOR_MAX_PARAMS = 10_000_000  # the simulator runs every GPU thread as a Python thread: tiny models only
+
+
+def check_fits_simulator(config) -> None:
+    """Refuse, with the way out, a model the CUDA simulator would take hours per token on (no GPU here): the CUDA
+    backends run there for tiny models (tests, notebooks), not for a real one."""
+    if not gpu_available() and config.n_params() > SIMULATOR_MAX_PARAMS:
+        raise ValueError(f"backend='cuda' without a GPU runs the kernels in Numba's CUDA simulator, every GPU thread a "
+                         f"Python thread: {config.name or config.arch} ({config.n_params() / 1e6:.0f}M parameters) "
+                         "would take hours per token there. Use backend='numpy' or 'auto' (the NumPy reference), "
+                         f"or a model under {SIMULATOR_MAX_PARAMS // 1_000_000}M parameters (course_lib.tiny_model())")
+
+
 def mode() -> str:
     """'gpu' or 'simulator' (no GPU: kernels in Numba's CUDA simulator, text from NumPy)."""
     return "gpu" if gpu_available() else "simulator"

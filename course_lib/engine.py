@@ -25,7 +25,7 @@ from collections import deque
 import numpy as np
 
 from . import reference
-from .device import gpu_available
+from .device import check_fits_simulator, gpu_available
 from .generate import Generation, TextStream, check_request, prompt_ids
 from .kernels.sampling import NO_TOKEN, sample
 from .model.loading import Model
@@ -75,6 +75,7 @@ class Engine:
             from .gpu.backend import CudaBackend
             from .gpu.plan import StepPlan
 
+            check_fits_simulator(model.config)
             self.recipe = get_recipe(recipe or default_recipe(gpu_available()))
             self.recipe.check(gpu_available())
             if self.recipe.replay == "megakernel":

@@ -125,6 +125,22 @@ def test_bad_input_is_a_clear_error(tiny, kwargs, match):
         generate(tiny, args.pop("prompt"), **args)
 
 
+@pytest.mark.skipif(course_lib.gpu_available(), reason="the simulator's limit: without a GPU only")
+def test_a_real_model_in_the_simulator_is_a_clear_error(tiny, monkeypatch):
+    """backend='cuda' without a GPU is the simulator: a model above device.SIMULATOR_MAX_PARAMS is refused at once,
+    saying what to use instead (SmolLM2 there ran for more than ten minutes without a word); the tiny model runs."""
+    from course_lib import device
+    from course_lib.engine import Engine
+
+    assert generate(tiny, "Hi", max_new_tokens=1, backend="cuda").token_ids
+    monkeypatch.setattr(device, "SIMULATOR_MAX_PARAMS", tiny.config.n_params() - 1)
+    for run in (lambda: Engine(tiny, backend="cuda"),
+                lambda: course_lib.generate_batch(tiny, ["Hi", "Ho"], max_new_tokens=1, backend="cuda")):
+        with pytest.raises(ValueError, match=r"would take hours per token there\. Use backend='numpy'"):
+            run()
+    assert generate(tiny, "Hi", max_new_tokens=1, backend="auto").token_ids  # the NumPy reference
+
+
 def test_cli_generate_and_info(tmp_path, tiny, capsys):
     save_hf_dir(tiny, str(tmp_path))
     assert main(["generate", "Hello", "--model", str(tmp_path), "--max-new-tokens", "5", "--backend", "numpy"]) == 0
