@@ -49,3 +49,28 @@ def test_results_are_recorded_only_in_the_recording_run(tmp_path, monkeypatch):
         records.save("x_h200.json", {"a": 2})
     assert not (tmp_path / "x_h200.json").exists()
     assert records.save("x_h100.json", {"a": 2}) == "saved to data/x_h100.json"
+
+
+def test_the_recording_tool_refuses_what_it_cannot_record(monkeypatch, capsys):
+    """tools/record_notebooks.py: an unknown notebook number is a clear error before anything runs; without a GPU, or
+    on a GPU other than the H200 whose numbers the records and the prose quote, it records nothing and says why."""
+    import importlib.util
+    from pathlib import Path
+
+    import course_lib.device
+    import course_lib.measure.bench
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "record_notebooks.py"
+    spec = importlib.util.spec_from_file_location("record_notebooks", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.ORDER[0] == "06" and sorted(tool.ORDER) == [f"0{i}" for i in range(1, 8)]
+    assert all(tool.notebook(n).name.startswith(n) for n in tool.ORDER)
+    with pytest.raises(SystemExit, match="no single notebook 09_"):
+        tool.main(["09"])
+    monkeypatch.setattr(tool.os, "environ", dict(tool.os.environ))  # the tool sets COURSE_LIB_RECORD for its run
+    monkeypatch.setattr(course_lib.device, "gpu_available", lambda: False)
+    assert tool.main(["07"]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
+    monkeypatch.setattr(course_lib.device, "gpu_available", lambda: True)
+    monkeypatch.setattr(course_lib.measure.bench, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert tool.main(["07"]) == 2 and "this GPU is NVIDIA H100 80GB HBM3" in capsys.readouterr().err
