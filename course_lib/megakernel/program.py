@@ -142,9 +142,11 @@ def check_dependencies(program: list[Instruction]) -> list[tuple[int, int, str]]
     the other: empty when the dependencies are complete (any order they allow computes the same step)."""
     masks, missing = ancestors(program), []
     for j, b in enumerate(program):
-        for i in range(j):
-            if masks[j] >> i & 1:
-                continue
+        unordered = ~masks[j] & ((1 << j) - 1)  # the earlier instructions j does not wait for (its ancestors' bits off)
+        while unordered:
+            low = unordered & -unordered  # the lowest one left: i in increasing order
+            unordered ^= low
+            i = low.bit_length() - 1
             a = program[i]
             for x, y in ((a.writes, b.reads + b.writes), (a.reads, b.writes)):
                 clash = next((p.buffer for p in x for q in y if p.overlaps(q)), None)
