@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if not gpu_available():
         print("error: the recording run measures the GPU: no CUDA GPU here", file=sys.stderr)
         return 2
-    from course_lib.measure.bench import gpu_name
+    from course_lib.measure.records import other_gpu
 
-    if "h200" not in gpu_name().lower().replace(" ", ""):
-        print(f"error: the records and the notebooks' prose are the H200's, and this GPU is {gpu_name()}",
-              file=sys.stderr)
+    other = other_gpu("h200")
+    if other is not None:
+        print(f"error: the records and the notebooks' prose are the H200's, and this GPU is {other}", file=sys.stderr)
         return 2
 
     import nbformat

@@ -39,13 +39,19 @@ def save(name: str, result: dict) -> str:
     if not recording():
         return f"not saved to data/{name}: this run's numbers stay here (COURSE_LIB_RECORD=1 records them)"
     card = next((c for c in CARDS if name.endswith(f"_{c}.json")), None)
-    gpu = _gpu_name() if card is not None else ""
-    if card is not None and card not in gpu.lower().replace(" ", ""):
-        raise ValueError(f"data/{name} holds numbers measured on an {card.upper()}, and this GPU is {gpu}: record "
+    other = other_gpu(card) if card is not None else None
+    if other is not None:
+        raise ValueError(f"data/{name} holds numbers measured on an {card.upper()}, and this GPU is {other}: record "
                          "them on that card, or under a name that says which card ran them")
     DIR.mkdir(exist_ok=True)
     path(name).write_text(json.dumps(result, indent=1))
     return f"saved to data/{name}"
+
+
+def other_gpu(card: str) -> str | None:
+    """None on a GPU of `card` (one of CARDS), else this GPU's name: a record of that card cannot be made here."""
+    gpu = _gpu_name()
+    return None if card in gpu.lower().replace(" ", "") else gpu
 
 
 def _gpu_name() -> str:
