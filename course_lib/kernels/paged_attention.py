@@ -22,8 +22,10 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    merge by shuffles and the warps through shared memory (m = max, l and acc rescaled by exp(m_part - m), in a
    fixed order). A query with a single chunk is normalized and written to out; otherwise the block writes its
    o [hd], m and l per head to scratch [T, H, chunks, hd] and [T, H, chunks]. Launched programmatically, a block
-   loads its first step of keys before waiting for the kernel before it (only the pass's own keys are that
-   kernel's), so the page-table lookups and the first loads of the cache overlap the QKV projection's end.
+   looks up its first step's rows and asks the L2 cache for their keys and values before waiting for the kernel
+   before it, so that they come from memory while the QKV projection ends. A prefetch, not a load: ptxas moved
+   the loads issued there past the wait (seen in the kernels' SASS), and a prefetched line is never stale, since
+   the L2 cache is where the projection's writes of the pass's own keys land.
 2. `merge_chunks`, grid (H, T): out[t, h] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c, in a
    fixed order (no atomics: the same bits from run to run). A thread per component (h, d) loads o, m and l of
    MERGE_UNROLL chunks at once and merges them online (one memory latency per round, not one per quantity).
@@ -70,7 +72,7 @@ from course_lib.kernels import (
     sm_count,
 )
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
-from course_lib.kernels.overlap import inputs_ready, launched_inputs, waits_for_inputs
+from course_lib.kernels.overlap import inputs_ready, launched_inputs, prefetch_l2, waits_for_inputs
 from course_lib.kernels.vector import aligned16, bf16x8, f32x8, words
 
 MAX_HEAD_DIM = 256
@@ -212,13 +214,14 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
     divisor of G), head_dim (a multiple of 8), page_size and `unroll` keys per team and step (Chunks), a block of
     `warps` warps, compile-time constants: a lane's scores and accumulators stay in registers, and the page
     arithmetic is shifts for a power of two; load8(words, i) reads the 8 elements of group i of a table seen as uint32
-    words (16-byte loads). wait(ready): how the block waits for its inputs once its first keys are in flight (a
-    launched kernel: for the kernel before it; the megakernel: its counters)."""
+    words (f32x8: two 16-byte loads; bf16x8: one). wait(ready): how the block waits for its inputs once its first
+    keys are asked of the L2 cache (a launched kernel: for the kernel before it; the megakernel: its counters)."""
     team = team_size(head_dim)
     per_lane = head_dim // (8 * team)  # 8-element groups of a row per lane
     E = 8 * per_lane  # elements of a row per lane
     teams = warps * (32 // team)  # keys a block reads at once, one per team
     step = teams * unroll
+    per_load = 2 if load8 is f32x8 else 1  # 16-byte words per group of 8 elements
 
     @cuda.jit(device=True)
     def find_rows(page_table, first, hi, rows):
@@ -240,6 +243,16 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
             for e in range(8):
                 k_r[u, 8 * i + e] = kw[e]
                 v_r[u, 8 * i + e] = vw[e]
+
+    @cuda.jit(device=True)
+    def prefetch_keys(k_words, v_words, n_kv, kvh, rows):
+        """Ask the L2 cache for the lines of this lane's groups of the keys and values at rows[u], u < unroll (a
+        group of 8 elements lies in one 128-byte line); nothing is read into registers."""
+        for u in range(unroll):
+            base = (rows[u] * n_kv + kvh) * (head_dim // 8) + cuda.threadIdx.x % team
+            for i in range(per_lane):
+                prefetch_l2(k_words, per_load * (base + team * i))
+                prefetch_l2(v_words, per_load * (base + team * i))
 
     @cuda.jit(device=True)
     def load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r):
@@ -283,16 +296,15 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
                 m[g] = m_new
 
     @cuda.jit(device=True)
-    def chunk_block(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out, o_part,
-                    m_part, l_part, ready):
+    def chunk_block(c, j, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
+                    l_part, ready):
         """Chunk c of the keys 0..positions[t] of query t for the query heads h0 = j heads .. h0 + heads - 1, which
         share KV head kvh = h0 // G (j: the block's group of heads). A query head's arithmetic depends on nothing but
         its own query, keys and values: it gets the same bits in a block of one head and in a block of G.
 
-        Launched programmatically (kernels/overlap.py), the block reads the first step of its keys *before* waiting
-        for its inputs: the keys before `new_from` were written by earlier passes (only the pass's own keys, from
-        new_from on, come from the kernel before), and so were the positions and the page table. After the wait it
-        loads those of the step's keys that are new, and the queries.
+        Launched programmatically (kernels/overlap.py), the block looks up the rows of its first step and asks the
+        L2 cache for their keys and values *before* waiting for its inputs (the positions and the page table were
+        written by earlier passes); after the wait it loads them, and the queries.
 
         q [T, H, hd] float32; k_words, v_words: the tables [rows, Hkv, hd] seen as flat uint32 words; page_table
         [P] int32; positions [T] int32. A query with one chunk is normalized and written to out [T, H, hd]
@@ -324,12 +336,10 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
         me = warp * (32 // team) + lane // team  # this lane's team in the block
         h0 = j * heads
         kvh = h0 // group
-        find_rows(page_table, lo + me, hi, rows)  # the first step's keys, in flight during the kernel before
-        load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
+        find_rows(page_table, lo + me, hi, rows)  # the first step's keys, fetched during the kernel before
+        prefetch_keys(k_words, v_words, n_kv, kvh, rows)
         wait(ready)
-        for u in range(unroll):  # those written by this pass, again (the keys the team reads, as find_rows clamps)
-            if min(lo + me + u * teams, hi - 1) >= new_from:
-                load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
+        load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)  # in flight while the queries load
         for x in range(tid, heads * head_dim, 32 * warps):
             q_s[x // head_dim, x % head_dim] = q[t, h0 + x // head_dim, x % head_dim]
         for g in range(heads):
@@ -401,18 +411,18 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_chunks(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part,
                             l_part):
-        """chunk_block (c, j, t) = blockIdx (x, y, z), the keys from positions[0] on new (the rows of one
-        sequence); merge_chunks merges the queries with several chunks. Grid (C, H / heads, T), block THREADS."""
+        """chunk_block (c, j, t) = blockIdx (x, y, z) (the rows of one sequence); merge_chunks merges the queries
+        with several chunks. Grid (C, H / heads, T), block THREADS."""
         chunk_block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions,
-                    positions[0], target, unit, scale, out, o_part, m_part, l_part, 0)
+                    target, unit, scale, out, o_part, m_part, l_part, 0)
 
     @cuda.jit(device=True)
-    def chunk_then_merge(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
-                         o_part, m_part, l_part, counters):
+    def chunk_then_merge(c, j, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part,
+                         m_part, l_part, counters):
         """chunk_block, then the last of a query's chunk blocks for the heads j to finish (counters[t H / heads + j],
         last_to_arrive) merges those heads at once (merge_heads)."""
-        count = chunk_block(c, j, t, q, k_words, v_words, page_table, positions, new_from, target, unit, scale, out,
-                            o_part, m_part, l_part, 0)
+        count = chunk_block(c, j, t, q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part,
+                            m_part, l_part, 0)
         if count > 1 and last_to_arrive(counters, t * (q.shape[1] // heads) + j, count):
             merge_heads(o_part, m_part, l_part, t, j * heads, heads, count, out)
 
@@ -420,24 +430,23 @@ def _make_chunks(load8, group, head_dim, page_size, heads, unroll):
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part,
                      counters):
-        """Attention in one launch: chunk_then_merge for (c, j, t) = blockIdx, the keys from positions[0] on new.
-        Grid (C, H / heads, T), block THREADS."""
+        """Attention in one launch: chunk_then_merge for (c, j, t) = blockIdx. Grid (C, H / heads, T), block
+        THREADS."""
         chunk_then_merge(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table,
-                         positions, positions[0], target, unit, scale, out, o_part, m_part, l_part, counters)
+                         positions, target, unit, scale, out, o_part, m_part, l_part, counters)
 
     @waits_for_inputs
     @cuda.jit(**_CHUNK_BOUNDS)
     def flash_decode_rows(q, k_words, v_words, page_tables, seq_of_row, positions, target, unit, scale, out, o_part,
                           m_part, l_part, counters):
         """flash_decode for rows of several sequences (a batched decode step): row t reads its keys through the
-        page table of its sequence, page_tables[seq_of_row[t]] ([S, P] int32), its key positions[t] the only new
-        one (a row per sequence). Grid (H / heads, T, C), block THREADS: the chunk is the slowest index, so that
-        the blocks start in chunk order, every row's first chunk before any second one: a launch of more blocks than
-        the GPU holds at once leaves its short last chunks to the second wave, not half of the rows' whole first
-        chunks."""
+        page table of its sequence, page_tables[seq_of_row[t]] ([S, P] int32). Grid (H / heads, T, C), block
+        THREADS: the chunk is the slowest index, so that the blocks start in chunk order, every row's first chunk
+        before any second one: a launch of more blocks than the GPU holds at once leaves its short last chunks to
+        the second wave, not half of the rows' whole first chunks."""
         t = cuda.blockIdx.y
         chunk_then_merge(cuda.blockIdx.z, cuda.blockIdx.x, t, q, k_words, v_words, page_tables[seq_of_row[t]],
-                         positions, positions[t], target, unit, scale, out, o_part, m_part, l_part, counters)
+                         positions, target, unit, scale, out, o_part, m_part, l_part, counters)
 
     return flash_decode_chunks, flash_decode, flash_decode_rows
 
@@ -519,9 +528,8 @@ def flash_attention(q, k_table, v_table, page_table, positions, page_size, max_l
     one_launch, flash_decode (the chunks merged by the last block of each query and group of heads to finish). With
     seq_of_row [T] int32, the rows belong to several sequences: page_table is [S, P], one row per sequence, row t
     reads its keys through page_table[seq_of_row[t]] (flash_decode_rows, always one launch; the same bits as each
-    sequence's rows alone). Launched programmatically (a step plan with overlapping launches) the kernels read the
-    keys before the pass's first position (positions[0], or each row's own with seq_of_row: a row per sequence)
-    before waiting for the kernel before them: those keys must not be written by it.
+    sequence's rows alone). Launched programmatically (a step plan with overlapping launches) the kernels look up
+    their first rows in the page table before waiting for the kernel before them: it must not write the table.
 
     q [T, H, hd] float32; k_table, v_table [rows, Hkv, hd] float32 or uint16 (bf16 bits), same dtype, 16-byte
     aligned; page_table [P] int32 (the sequence's pages, logical order); positions [T] int32: query t sees logical

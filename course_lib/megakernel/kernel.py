@@ -241,10 +241,9 @@ def _make_megakernel(dtype, steps, group, head_dim):
                 if op == EMBED:
                     op_embed(feed[t] if feed[t] >= 0 else token[0], embed, x)
                 elif op == ATTENTION:  # query head c0, keys 0 .. p in one chunk (target = unit = 1): attn3 written.
-                    # The keys before p - 1 load before the wait: step t - 2 ended before this block began step t
-                    # (the block ran an instruction of step t - 1, which waited for the sample of step t - 2)
+                    # Its first keys are asked of the L2 cache before the wait, and loaded after it
                     attention(0, c0, 0, q3, k_words[layer * layer_words:], v_words[layer * layer_words:], pages,
-                              here, max(p - 1, 0), 1, 1, scale, attn3, attn4, attn3, attn3,
+                              here, 1, 1, scale, attn3, attn4, attn3, attn3,
                               (counters, waits, mine[j, 5], mine[j, 6], sizes, epoch, stamps[i]))
                 elif op == SAMPLE:
                     chosen = int32(0)
