@@ -191,6 +191,12 @@ def test_readme_quotes_the_default_recipes_run():
                    f"{r['overlap']['tokens_per_s']:.0f} for the same graph",
                    f"{run['peers']['compile+graph']:.0f} for `torch.compile` + CUDA graph"):
         assert figure in text, f"the README does not quote {figure!r} (data/bench_h200.json)"
+    latest = recorded("bench_five_prefetch_h100.json")
+    five = latest["rows"][0]
+    assert five["recipe"] == "five" and five["same_text"] and "H100" in latest["gpu"]
+    figure = (f"{five['tokens_per_s']:,.0f} tokens/s and {five['gpu_ms_per_token']:.3f} ms on an H100 against "
+              f"{latest['peers']['compile+graph']:.0f} for `torch.compile` + graph")
+    assert figure in text, f"the README does not quote {figure!r} (data/bench_five_prefetch_h100.json)"
 
 
 def test_prefetch_prose_quotes_its_run():
