@@ -777,6 +777,9 @@ for name, kernel, sig in jobs:
             assert ".f64" not in ptx, "float64 arithmetic (a float literal without float32(...)?)"
         if getattr(kernel, "waits_for_inputs", False):  # may be launched programmatically (kernels/overlap.py)
             assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, "no griddepcontrol"
+        if name.startswith("flash_decode"):  # the first keys asked of the L2 cache before the wait (a load there
+            # would be moved past it by ptxas: paged_attention's docstring)
+            assert -1 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait"), "no prefetch before the wait"
         if ptxas:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
                 f.write(ptx)
