@@ -1,4 +1,8 @@
-"""The recurring figure of the notebooks (course_lib.measure.progress), on the recorded bench run in data/."""
+"""The recurring figure of the notebooks (course_lib.measure.progress), on the recorded bench run in data/; and the
+tools that make those runs (tools/record_notebooks.py, tools/ab_recipes.py)."""
+
+import json
+import os
 
 import matplotlib
 import pytest
@@ -74,3 +78,70 @@ def test_the_recording_tool_refuses_what_it_cannot_record(monkeypatch, capsys):
     monkeypatch.setattr(course_lib.device, "gpu_available", lambda: True)
     monkeypatch.setattr(course_lib.measure.bench, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
     assert tool.main(["07"]) == 2 and "this GPU is NVIDIA H100 80GB HBM3" in capsys.readouterr().err
+
+
+def test_the_ab_tool_averages_each_tree_and_refuses_bad_input(monkeypatch, capsys, tmp_path):
+    """tools/ab_recipes.py: the summary is each tree's mean tokens/s and NEW's gain at every context both trees ran;
+    a directory without course_lib, a single tree, bad prompt lengths or no GPU are each a clear error before any
+    run."""
+    import importlib.util
+    from pathlib import Path
+
+    import course_lib.device
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ab_recipes", root / "tools" / "ab_recipes.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def run(name, **tokens_per_s):
+        rows = {c: {"tokens_per_s": t, "gpu_ms_per_token": 1.0} for c, t in tokens_per_s.items()}
+        return {"tree": name, "rows": rows}
+
+    runs = [run("base", **{"64": 100.0, "1000": 50.0}), run("new", **{"64": 110.0, "1000": 60.0, "4000": 9.0}),
+            run("base", **{"64": 102.0}), run("new", **{"64": 112.0})]
+    table = tool.summary(runs)
+    assert list(table) == [64, 1000]  # 4000: the new tree alone
+    assert table[64]["base"] == pytest.approx(101.0) and table[64]["new"] == pytest.approx(111.0)
+    assert table[64]["gain"] == pytest.approx(100 * (111 / 101 - 1))
+    assert table[1000]["gain"] == pytest.approx(20.0)
+
+    assert tool.contexts("64, 1000") == [64, 1000]
+    for bad in ("64,-1", "x", "64,,1000"):
+        with pytest.raises(Exception, match="positive integers"):
+            tool.contexts(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        tool.main([str(root), str(tmp_path / "empty")])
+    assert stop.value.code == 2 and "no course_lib package" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main([str(root)])
+    assert "give two trees" in capsys.readouterr().err
+    monkeypatch.setattr(course_lib.device, "gpu_available", lambda: False)
+    assert tool.main([str(root), str(root)]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
+
+    # the turns, with each run's process faked: BASE, NEW, BASE, NEW, each tree first on the path of its own runs and
+    # with a kernel cache of its own, every run kept in the saved file
+    other = tmp_path / "other"
+    (other / "course_lib").mkdir(parents=True)
+    (other / "course_lib" / "__init__.py").write_text("")
+    calls = []
+
+    def fake_run(command, env, cwd, capture_output, text):
+        calls.append((command[command.index("--child") + 1], env["PYTHONPATH"], env["COURSE_LIB_KERNEL_CACHE"]))
+        speed = 100.0 if command[command.index("--child") + 1] == str(root) else 105.0
+        rows = {"64": {"tokens_per_s": speed, "gpu_ms_per_token": 0.5, "kernels_per_token": 152}}
+        return tool.subprocess.CompletedProcess(command, 0, "compiling...\n" + json.dumps({"gpu": "G", "rows": rows}),
+                                                "")
+
+    monkeypatch.setattr(course_lib.device, "gpu_available", lambda: True)
+    monkeypatch.setattr(tool.subprocess, "run", fake_run)
+    saved = tmp_path / "ab.json"
+    assert tool.main([str(root), str(other), "--contexts", "64", "--save", str(saved)]) == 0
+    assert [c[0] for c in calls] == [str(root), str(other)] * 2
+    assert all(path.startswith(tree + os.pathsep) for tree, path, _ in calls)
+    assert calls[0][2] == calls[2][2] != calls[1][2] == calls[3][2]
+    assert "+5.0%" in capsys.readouterr().out
+    record = json.loads(saved.read_text())
+    assert [r["tree"] for r in record["runs"]] == ["base", "new", "base", "new"]
+    assert record["summary"]["64"]["gain"] == pytest.approx(5.0)

@@ -1,0 +1,133 @@
+"""A/B of two code trees of course_lib on the GPU: the decode speed of one recipe, the two trees taking turns.
+
+    python tools/ab_recipes.py BASE NEW [--contexts 64,1000] [--rounds 2] [--recipe five] [--steps 200]
+                               [--model random:SmolLM2-135M-Instruct] [--save FILE.json]
+
+BASE and NEW are directories that each hold a course_lib package: a worktree of an earlier commit (`git worktree
+add /tmp/base HEAD~1`), or a copy of course_lib/ in a folder of its own. Each run is a process of its own, its tree
+first on the module path and with the tree's own kernel cache (neither tree loads the other's compiled kernels), and
+the trees take turns, BASE, NEW, BASE, NEW, ..., so that a drift of the GPU's clocks or temperature falls on both.
+A run decodes `steps` greedy tokens after a random prompt of each length (measure.bench.bench_recipe: the
+generator's tokens/s and the GPU time of one replayed step). The tool prints each run as it ends, then each
+context's mean tokens/s for each tree and NEW's gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TREES = ("base", "new")
+
+
+def contexts(text: str) -> list[int]:
+    """'64,1000' -> [64, 1000]: prompt lengths, positive integers."""
+    values = [part.strip() for part in text.split(",")]
+    if not all(v.isdigit() and int(v) > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: prompt lengths are positive integers, comma-separated")
+    return [int(v) for v in values]
+
+
+def tree(text: str) -> Path:
+    """A directory holding a course_lib package, resolved."""
+    path = Path(text).resolve()
+    if not (path / "course_lib" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no course_lib package in this directory")
+    return path
+
+
+def summary(runs: list[dict]) -> dict[int, dict[str, float]]:
+    """{context: {"base": mean tokens/s, "new": mean tokens/s, "gain": percent}} over runs [{"tree", "rows":
+    {context: {"tokens_per_s", ...}}}], each tree's runs averaged; a context that a tree never ran is left out."""
+    out = {}
+    for context in sorted({int(c) for r in runs for c in r["rows"]}):
+        mean = {}
+        for name in TREES:
+            values = [r["rows"][str(context)]["tokens_per_s"] for r in runs
+                      if r["tree"] == name and str(context) in r["rows"]]
+            if values:
+                mean[name] = sum(values) / len(values)
+        if len(mean) == len(TREES):
+            out[context] = mean | {"gain": 100 * (mean["new"] / mean["base"] - 1)}
+    return out
+
+
+def run_one(args) -> int:
+    """The child: the recipe's decode at each context, with the course_lib found first on the path (its tree's),
+    printed as one line of JSON."""
+    import course_lib
+    from course_lib.__main__ import _bench_model
+    from course_lib.measure import bench
+
+    if not Path(course_lib.__file__).resolve().is_relative_to(args.child):
+        print(f"error: course_lib was imported from {course_lib.__file__}, not from {args.child}", file=sys.stderr)
+        return 2
+    model = _bench_model(args.model)
+    rows = {}
+    for context in args.contexts:
+        r = bench.bench_recipe(model, args.recipe, bench.bound_bandwidth(), context=context, steps=args.steps)
+        rows[str(context)] = {key: r[key] for key in ("tokens_per_s", "gpu_ms_per_token", "kernels_per_token")}
+    print(json.dumps({"gpu": bench.gpu_name(), "rows": rows}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trees", nargs="*", type=tree, help="BASE and NEW: directories holding a course_lib package")
+    parser.add_argument("--contexts", type=contexts, default=[64, 1000], help="prompt lengths (default 64,1000)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, in turns (default 2)")
+    parser.add_argument("--recipe", default="five", help="the recipe timed (default five, the default on a GPU)")
+    parser.add_argument("--steps", type=int, default=200, help="decode steps timed per context (default 200)")
+    parser.add_argument("--model", default="random:SmolLM2-135M-Instruct", help="as for bench (default random "
+                        "weights of SmolLM2-135M-Instruct's shapes)")
+    parser.add_argument("--save", metavar="FILE.json", help="keep every run and the summary")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # a run of one tree (set by the tool)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        return run_one(args)
+    if len(args.trees) != 2:
+        parser.error("give two trees, BASE and NEW")
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps are positive")
+    from course_lib.device import gpu_available
+
+    if not gpu_available():
+        print("error: an A/B of decode speed measures the GPU: no CUDA GPU here", file=sys.stderr)
+        return 2
+
+    runs = []
+    with tempfile.TemporaryDirectory() as caches:
+        for round_ in range(1, args.rounds + 1):
+            for name, path in zip(TREES, args.trees, strict=True):
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
+                           COURSE_LIB_KERNEL_CACHE=os.path.join(caches, name))
+                command = [sys.executable, __file__, "--child", str(path), "--contexts",
+                           ",".join(map(str, args.contexts)), "--recipe", args.recipe, "--steps", str(args.steps),
+                           "--model", args.model]
+                done = subprocess.run(command, env=env, cwd=caches, capture_output=True, text=True)
+                lines = done.stdout.strip().splitlines()
+                if done.returncode != 0 or not lines:
+                    print(f"error: the {name} run ({path}) failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+                    return 1
+                runs.append({"tree": name, "round": round_} | json.loads(lines[-1]))
+                print(f"{name} (round {round_}): " + ", ".join(
+                    f"{c} positions {r['tokens_per_s']:,.1f} tokens/s ({r['gpu_ms_per_token']:.3f} GPU ms a step)"
+                    for c, r in runs[-1]["rows"].items()), flush=True)
+    table = summary(runs)
+    for context, row in table.items():
+        print(f"{context:6d} positions: base {row['base']:,.1f}, new {row['new']:,.1f} tokens/s ({row['gain']:+.1f}%)")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"recipe": args.recipe, "model": args.model, "steps": args.steps, "gpu": runs[0]["gpu"],
+                       "trees": dict(zip(TREES, map(str, args.trees), strict=True)), "runs": runs,
+                       "summary": {str(c): row for c, row in table.items()}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
