@@ -119,6 +119,9 @@ def test_the_ab_tool_averages_each_tree_and_refuses_bad_input(monkeypatch, capsy
     assert "give two trees" in capsys.readouterr().err
     monkeypatch.setattr(course_lib.device, "gpu_available", lambda: False)
     assert tool.main([str(root), str(root)]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
+    installed = Path(course_lib.device.__file__).resolve().parents[1]  # the tree this course_lib comes from
+    assert tool.main(["--child", str(installed)]) == 2 and "no CUDA GPU here" in capsys.readouterr().err  # a run
+    assert tool.main(["--child", str(tmp_path)]) == 2 and "not from" in capsys.readouterr().err  # another tree's
 
     # the turns, with each run's process faked: BASE, NEW, BASE, NEW, each tree first on the path of its own runs and
     # with a kernel cache of its own, every run kept in the saved file

@@ -62,15 +62,19 @@ def run_one(args) -> int:
     printed as one line of JSON."""
     import course_lib
     from course_lib.__main__ import _bench_model
+    from course_lib.device import gpu_available
     from course_lib.measure import bench
 
     if not Path(course_lib.__file__).resolve().is_relative_to(args.child):
         print(f"error: course_lib was imported from {course_lib.__file__}, not from {args.child}", file=sys.stderr)
         return 2
-    model = _bench_model(args.model)
+    if not gpu_available():
+        print("error: no CUDA GPU here", file=sys.stderr)
+        return 2
+    model, bandwidth = _bench_model(args.model), bench.bound_bandwidth()  # (the bound's bandwidth: not compared)
     rows = {}
     for context in args.contexts:
-        r = bench.bench_recipe(model, args.recipe, bench.bound_bandwidth(), context=context, steps=args.steps)
+        r = bench.bench_recipe(model, args.recipe, bandwidth, context=context, steps=args.steps)
         rows[str(context)] = {key: r[key] for key in ("tokens_per_s", "gpu_ms_per_token", "kernels_per_token")}
     print(json.dumps({"gpu": bench.gpu_name(), "rows": rows}), flush=True)
     return 0
