@@ -233,13 +233,18 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
             rows[u] = page_table[j // page_size] * page_size + j % page_size
 
     @cuda.jit(device=True)
+    def group_at(row, n_kv, kvh, i):
+        """The index, in groups of 8 elements of the table, of this lane's i-th group of KV head kvh at table row
+        `row` (i < per_lane; the lanes of a team take a row's groups in turn)."""
+        return (row * n_kv + kvh) * (head_dim // 8) + cuda.threadIdx.x % team + team * i
+
+    @cuda.jit(device=True)
     def load_key(k_words, v_words, n_kv, kvh, row, k_r, v_r, u):
         """k_r[u], v_r[u] = this lane's E elements of the key and value at table row `row`: loads issued, none
         waited for."""
-        base = (row * n_kv + kvh) * (head_dim // 8) + cuda.threadIdx.x % team
         for i in range(per_lane):
-            kw = load8(k_words, base + team * i)
-            vw = load8(v_words, base + team * i)
+            kw = load8(k_words, group_at(row, n_kv, kvh, i))
+            vw = load8(v_words, group_at(row, n_kv, kvh, i))
             for e in range(8):
                 k_r[u, 8 * i + e] = kw[e]
                 v_r[u, 8 * i + e] = vw[e]
@@ -249,10 +254,9 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
         """Ask the L2 cache for the lines of this lane's groups of the keys and values at rows[u], u < unroll (a
         group of 8 elements lies in one 128-byte line); nothing is read into registers."""
         for u in range(unroll):
-            base = (rows[u] * n_kv + kvh) * (head_dim // 8) + cuda.threadIdx.x % team
             for i in range(per_lane):
-                prefetch_l2(k_words, per_load * (base + team * i))
-                prefetch_l2(v_words, per_load * (base + team * i))
+                prefetch_l2(k_words, per_load * group_at(rows[u], n_kv, kvh, i))
+                prefetch_l2(v_words, per_load * group_at(rows[u], n_kv, kvh, i))
 
     @cuda.jit(device=True)
     def load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r):
