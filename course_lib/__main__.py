@@ -97,14 +97,14 @@ def _info(args) -> int:
     return 0
 
 
-def _batch_sizes(text: str) -> list[int]:
-    """"1,8,64" -> [1, 8, 64]; anything but positive integers is an error naming the bad entry."""
-    sizes = []
+def positive_ints(text: str, option: str, noun: str) -> list[int]:
+    """"1,8,64" -> [1, 8, 64]; anything but positive integers is an error naming the option and the bad entry."""
+    values = []
     for part in text.split(","):
         if not part.strip().isdigit() or int(part) < 1:
-            raise ValueError(f"--batch: {part!r} is not a batch size (positive integers, comma-separated)")
-        sizes.append(int(part))
-    return sizes
+            raise ValueError(f"{option}: {part!r} is not {noun} (positive integers, comma-separated)")
+        values.append(int(part))
+    return values
 
 
 def _bench_model(name: str):
@@ -126,7 +126,7 @@ def _bench_model(name: str):
 def _bench(args) -> int:
     from . import device
 
-    sizes = _batch_sizes(args.batch) if args.batch else None
+    sizes = positive_ints(args.batch, "--batch", "a batch size") if args.batch else None
     device.announce()
     if not device.gpu_available():
         raise RuntimeError("bench measures the GPU: no CUDA GPU here (the simulator's timings mean nothing)")

@@ -26,11 +26,13 @@ TREES = ("base", "new")
 
 
 def contexts(text: str) -> list[int]:
-    """'64,1000' -> [64, 1000]: prompt lengths, positive integers."""
-    values = [part.strip() for part in text.split(",")]
-    if not all(v.isdigit() and int(v) > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: prompt lengths are positive integers, comma-separated")
-    return [int(v) for v in values]
+    """'64,1000' -> [64, 1000]: prompt lengths, positive integers (as bench's --batch reads its sizes)."""
+    from course_lib.__main__ import positive_ints
+
+    try:
+        return positive_ints(text, "--contexts", "a prompt length")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def tree(text: str) -> Path:
