@@ -39,6 +39,16 @@ def section(notebook: str, heading: str) -> str:
     return " ".join(" ".join(cells[starts[0]:end]).split())
 
 
+def readme_results(notebook: str) -> str:
+    """The README's results for `notebook`: its section "#### NN ..." under "What each notebook measured", to the
+    next heading, its whitespace runs made single spaces."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(f"#### {notebook} ")]
+    assert len(starts) == 1, f"README: {len(starts)} sections for notebook {notebook}"
+    end = next((i for i in range(starts[0] + 1, len(lines)) if lines[i].startswith("#")), len(lines))
+    return " ".join(" ".join(lines[starts[0] + 1:end]).split())
+
+
 def peers_quoted(peers: dict) -> str:
     """How the prose quotes the PyTorch peers of a batched run."""
     return f"did {peers['graph']:,.0f} tokens/s with a graph and {peers['compile+graph']:,.0f} compiled"
@@ -121,15 +131,14 @@ def test_overlap_prose_quotes_its_run():
                    f"{100 * (overlap['tokens_per_s'] / peer - 1):.0f}% ahead of", f"({peer:.0f} tokens/s)",
                    f"{chain[0] - chain[1]:.2f} µs less", f"the {fused['kernels_per_token']} kernels of the step"):
         assert figure in text, f"notebook 06 does not quote {figure!r}"
-    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
-                        if line.startswith("| 06 |")).split())
+    row = readme_results("06")
     sampler_us = recorded("megakernel_h200.json")["by_op"]["sample"]["run_mean_us"]
     for figure in (f"tiny kernels {chain[0]:.2f} → {chain[1]:.2f} µs per kernel",
                    f"the fused step {fused['gpu_ms_per_token']:.3f} → {overlap['gpu_ms_per_token']:.3f} GPU ms, "
                    f"{fused['tokens_per_s']:.0f} → {overlap['tokens_per_s']:.0f} tokens/s",
                    f"`torch.compile` + graph at {peer:.0f} in the same run",
                    f"the one-block sampler {sampler_us:.0f} µs"):
-        assert figure in row, f"README row 06 does not quote {figure!r}"
+        assert figure in row, f"README (06) does not quote {figure!r}"
     launches = recorded("06_launches_h200.json")["host_us_per_launch"]
     assert (f"{launches['dispatcher']:.0f} µs through Numba's dispatcher and {launches['fast']:.0f} µs through the "
             "runtime's fast path") in prose("06", "A decode step of the paged recipe")
@@ -431,12 +440,11 @@ def test_add_norm_in_registers_prose_quotes_its_run():
 
 
 def test_readme_quotes_the_latest_batched_run():
-    """The README's row for notebook 07 quotes the last recorded `bench --batch` (data/batch_add_norm_h200.json)
+    """The README's results for notebook 07 quote the last recorded `bench --batch` (data/batch_add_norm_h200.json)
     and the notebook's own recorded run (data/07_batch_h200.json)."""
     run = recorded("batch_add_norm_h200.json")["bench"]
     tps, peers = {r["batch"]: r["tokens_per_s"] for r in run["batch"]}, run["peers"]
-    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
-                        if line.startswith("| 07 |")).split())
+    row = readme_results("07")
     assert (f"decodes {tps[1]:,.0f} tokens/s at batch 1, {tps[8]:,.0f} at 8, {tps[32]:,.0f} at 32 and {tps[64]:,.0f} "
             f"at 64 ({tps[64] / tps[1]:.1f}× batch 1)") in row
     assert (f"{peers['graph']:,.0f} with a CUDA graph, {peers['compile+graph']:,.0f} compiled (ours "
@@ -468,8 +476,7 @@ def test_five_prose_quotes_its_runs():
                    f"decodes {fr[('five', 4000)]:,} tokens/s against {fr[('row_dot', 4000)]:,} for `row_dot`"):
         assert figure in text, f"notebook 05 does not quote {figure!r}"
     assert fr[("five", 4000)] < fr[("row_dot", 4000)] and fr[("five", 64)] > fr[("row_dot", 64)]
-    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
-                        if line.startswith("| 05 |")).split())
+    row = readme_results("05")
     held = {x["recipe"]: x["held_ms"] for x in rec["five_vs_row_dot"] if x["ctx"] == 64}
     assert (f"{r['five']['tokens_per_s']:,.0f} tokens/s and {r['five']['gpu_ms_per_token']:.3f} ms of GPU time per "
             f"token at 64 positions against {r['row_dot']['tokens_per_s']:,.0f} and "
@@ -534,12 +541,11 @@ def test_batch_chunks_of_two_keys_prose_quotes_its_run():
 
 
 def test_readme_quotes_notebook_06s_bench():
-    """The README's row for notebook 06 quotes its bench (data/bench_h200.json), every recipe with the same text."""
+    """The README's results for notebook 06 quote its bench (data/bench_h200.json), every recipe with the same text."""
     run = recorded("bench_h200.json")
     r = {row["recipe"]: row for row in run["rows"]}
     assert all(row["same_text"] for row in run["rows"])
-    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
-                        if line.startswith("| 06 |")).split())
+    row = readme_results("06")
     fused, five, mk = r["fused"], r["five"], r["megakernel"]
     assert (f"fused {fused['tokens_per_s']:.1f} tokens/s ({fused['gpu_ms_per_token']:.2f} GPU ms per step, "
             f"{fused['kernels_per_token']} kernels), graph {r['graph']['tokens_per_s']:.1f}, `five` (the default) "
@@ -551,8 +557,8 @@ def test_readme_quotes_notebook_06s_bench():
 
 
 def test_swiglu_prose_quotes_the_recorded_run():
-    """Notebook 05's SwiGLU speed-ups against M and the README's row 05 (data/05_swiglu_h200.json): the split-K pair
-    at every M, the fused kernel's time the 1.5x target at 512 rows would need."""
+    """Notebook 05's SwiGLU speed-ups against M and the README's results for 05 (data/05_swiglu_h200.json): the
+    split-K pair at every M, the fused kernel's time the 1.5x target at 512 rows would need."""
     run = recorded("05_swiglu_h200.json")
     small = {r["M"]: r for r in run["SmolLM2-135M-Instruct (576 x 1536)"]}
     gain = {m: r["narrow"] / r["narrow fused"] for m, r in small.items()}
@@ -568,14 +574,15 @@ def test_swiglu_prose_quotes_the_recorded_run():
     assert 1.5 < gain[1] and gain[512] < 1.5
     verdict = "met by a hair at 16" if gain[16] >= 1.5 else "missed by a hair at 16"
     assert f"{verdict} ({gain[16]:.2f}×" in text, f"notebook 05 does not say the 16-row target is {verdict}"
-    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| 05 |"))
+    row = readme_results("05")
     assert (f"{gain[1]:.2f}× at M = 1, {gain[16]:.2f}× at 16 and {gain[512]:.2f}× at 512 on SmolLM2's shapes"
             in " ".join(row.split()))
 
 
 def test_attention_wave_prose_quotes_its_run():
-    """Notebooks 04 and 05 and the README's row 04: a sequence's chunk count aiming at one wave of query-head blocks,
-    against the rule before (data/attention_wave_h200.json, run 1: 'wave1' is the rule now, 'now' the code before)."""
+    """Notebooks 04 and 05 and the README's results for 04: a sequence's chunk count aiming at one wave of query-head
+    blocks, against the rule before (data/attention_wave_h200.json, run 1: 'wave1' is the rule now, 'now' the code
+    before)."""
     run = recorded("attention_wave_h200.json")
     before, after, read = run["run1"]["now"], run["run1"]["wave1"], run["read_us"]["run1"]
     assert before["4096"]["chunks"] == 32 and after["4096"]["chunks"] == 16 and after["16384"]["chunks"] == 26
@@ -588,8 +595,7 @@ def test_attention_wave_prose_quotes_its_run():
     assert (f"attention alone {before['4096']['us']:.1f} → {after['4096']['us']:.1f} µs in one launch "
             f"({before['16384']['us']:.1f} → {after['16384']['us']:.1f} at 16,384)") in prose(
         "05", "### A block per query head")
-    row = " ".join(next(line for line in (ROOT / "README.md").read_text().splitlines()
-                        if line.startswith("| 04 |")).split())
+    row = readme_results("04")
     assert (f"{before['4096']['us']:.1f} → {after['4096']['us']:.1f} µs at 4k and {before['16384']['us']:.1f} → "
             f"{after['16384']['us']:.1f} µs at 16k on SmolLM2's shapes, against {read['4096']:.1f} and "
             f"{read['16384']:.1f} µs for a plain read") in row
