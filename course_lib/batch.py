@@ -307,6 +307,16 @@ class CudaBatch(Runner):
         return plan.collect(queued)
 
 
+class BadPromptsError(ValueError):
+    """Prompts that generate_batch refused, all reported at once before anything ran: `problems` lists (index in
+    the prompts, "(excerpt): what is wrong")."""
+
+    def __init__(self, problems: list[tuple[int, str]]):
+        self.problems = problems
+        super().__init__("bad prompts, nothing was generated:\n  " + "\n  ".join(
+            f"prompt {i} {text}" for i, text in problems))
+
+
 def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None, seed: int | list[int] | None = None,
                    chat: bool = False, backend="auto", stop: bool = True, pages: int | None = None,
@@ -350,12 +360,12 @@ def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperat
                 raise ValueError(f"{len(ids)} tokens + max_new_tokens {max_new_tokens} exceed the cache's "
                                  f"{pages} pages of {PAGE_SIZE} positions")
         except (ValueError, TypeError) as e:
-            problems.append(f"prompt {i} ({_excerpt(prompt)}): {e}")
+            problems.append((i, f"({_excerpt(prompt)}): {e}"))
             continue
         stops = model.tokenizer.stop_ids if stop else frozenset()
         seqs.append(Sequence(i, ids, max_new_tokens, (temperature, top_k, top_p, seeds[i]), stops))
     if problems:
-        raise ValueError("bad prompts, nothing was generated:\n  " + "\n  ".join(problems))
+        raise BadPromptsError(problems)
     if pages is None:
         pages = sum(sorted(-(-(len(s.prompt_ids) + max_new_tokens) // PAGE_SIZE) for s in seqs)[-max_running:])
     longest = max(len(s.prompt_ids) + max_new_tokens for s in seqs)  # the longest sequence: it sizes the grids
@@ -455,6 +465,11 @@ def _seeds(seed, n: int) -> list[int]:
     return [secrets.randbits(63) if s is None else int(s) % 2**63 for s in seeds]
 
 
-def _excerpt(prompt) -> str:
-    text = repr(prompt if isinstance(prompt, str) or not hasattr(prompt, "__iter__") else list(prompt)[:8])
-    return text if len(text) <= 40 else text[:37] + "..."
+def _excerpt(prompt, width: int = 40) -> str:
+    """A prompt as an error names it: its repr, whole quotes and brackets, cut to about `width` characters."""
+    if isinstance(prompt, str):
+        return repr(prompt) if len(prompt) <= width else repr(prompt[:width - 5]) + "..."
+    if not hasattr(prompt, "__iter__"):
+        return repr(prompt)[:width]
+    ids = list(prompt)
+    return repr(ids) if len(ids) <= 8 else repr(ids[:8])[:-1] + ", ...]"

@@ -174,20 +174,51 @@ def test_bad_input_is_a_clear_error(tiny, prompts, kw, match):
 def test_cli_prompts_file(tmp_path, tiny, monkeypatch, capsys):
     path = tmp_path / "prompts.jsonl"
     path.write_text("Hi\n\n" + json.dumps({"prompt": "the cat"}) + "\n" + json.dumps("x") + "\n")
-    assert cli.read_prompts(str(path)) == ["Hi", "the cat", "x"]
+    assert cli.read_prompts(str(path)) == {1: "Hi", 3: "the cat", 4: "x"}
     quoted = tmp_path / "quoted.txt"
-    quoted.write_text('"To be or not to be" - who said it?\n{not json\n')
-    assert cli.read_prompts(str(quoted)) == ['"To be or not to be" - who said it?', "{not json"]
+    quoted.write_text('"To be or not to be" - who said it?\n')
+    assert cli.read_prompts(str(quoted)) == {1: '"To be or not to be" - who said it?'}
     monkeypatch.setattr("course_lib.load_model", lambda name: tiny)
     assert cli.main(["generate", "--prompts-file", str(path), "--max-new-tokens", "3", "--backend", "numpy"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert sorted(line[:3] for line in out if line.startswith("[") and "]" in line[:4]) == ["[0]", "[1]", "[2]"]
+    assert sorted(line.split("]")[0] for line in out if line.startswith("[line ")) == ["[line 1", "[line 3", "[line 4"]
     assert out[-1].startswith("[3 sequences, ")
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "no prompt key"}\n')
-    assert cli.main(["generate", "--prompts-file", str(bad)]) == 2
-    assert "line 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, args, says", [
+    ('{"text": "no prompt key"}\n', [], "line 1: expected a JSON string"),
+    ('Hi\n{"prompt": "broken\n', [], "line 2: not a JSON object"),  # a JSON line cut short: not taken as text
+    ("Hi\n\n" + "x " * 300 + "\n", ["--max-new-tokens", "10000"], "line 3 ('x x x"),  # the file's line, not index
+    ("Hi\n", ["--recipe", "graph"], "--recipe chooses the step of one sequence"),
+    ("Hi\n", ["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+], ids=["no prompt key", "JSON cut short", "too long", "recipe", "max-new-tokens"])
+def test_cli_prompts_file_errors(tmp_path, tiny, monkeypatch, capsys, text, args, says):
+    """Each a one-line error (status 2) that names the file's line, printed with no progress bar across it."""
+    path = tmp_path / "prompts.txt"
+    path.write_text(text)
+    monkeypatch.setattr("course_lib.load_model", lambda name: tiny)
+    assert cli.main(["generate", "--prompts-file", str(path), "--backend", "numpy", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "error:" in err and "sequences:" not in err
+
+
+def test_cli_errors_on_files(tmp_path, capsys):
+    assert cli.main(["generate", "--prompts-file", str(tmp_path)]) == 2  # a directory: an error, no traceback
+    assert "error:" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompts-file", str(tmp_path / "missing.txt")]) == 2
+    assert "No such file" in capsys.readouterr().err
     assert cli.main(["generate"]) == 2
+
+
+def test_bad_prompts_are_listed_by_index():
+    """generate_batch's error keeps each refused prompt's index and what is wrong (the CLI names file lines)."""
+    from course_lib.batch import BadPromptsError, _excerpt
+
+    e = BadPromptsError([(1, "(''): the prompt is empty"), (4, "('x'): too long")])
+    assert e.problems[1][0] == 4 and str(e).splitlines()[1:] == ["  prompt 1 (''): the prompt is empty",
+                                                                   "  prompt 4 ('x'): too long"]
+    assert _excerpt("a" * 100) == repr("a" * 35) + "..." and _excerpt("short") == "'short'"
+    assert _excerpt(list(range(20))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...]" and _excerpt([1, 2]) == "[1, 2]"
 
 
 def test_cuda_batch_gives_each_prompt_its_tokens_through_a_preemption(tiny, monkeypatch):

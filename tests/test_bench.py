@@ -34,6 +34,10 @@ def test_bench_without_a_gpu_is_a_clear_error(capsys):
 def test_bench_batch_sizes_are_checked(capsys):
     assert cli.main(["bench", "--batch", "1,x,8"]) == 2
     assert "'x' is not a batch size" in capsys.readouterr().err
+    assert cli.main(["bench", "--batch", ""]) == 2  # not the same as no --batch
+    assert "'' is not a batch size" in capsys.readouterr().err
+    assert cli.main(["bench", "--steps", "0"]) == 2
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_bench_random_weights_of_known_shapes():

@@ -146,6 +146,9 @@ def test_cli_generate_and_info(tmp_path, tiny, capsys):
     assert main(["generate", "Hello", "--model", str(tmp_path), "--max-new-tokens", "5", "--backend", "numpy"]) == 0
     out = capsys.readouterr()
     assert "tokens/s" in out.out and "numpy backend" in out.out
+    assert main(["generate", "Hello", "--model", str(tmp_path), "--max-new-tokens", "1", "--backend", "numpy"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]  # one token: no decode step, so no decode rate
+    assert summary.startswith("[1 token, ") and "decode" not in summary and "nan" not in summary
     assert main(["info", "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"mode: {course_lib.mode()}" in out and f"parameters: {tiny.config.n_params():,}" in out
