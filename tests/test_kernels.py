@@ -338,6 +338,17 @@ def test_sampler_kernel_equals_its_twin(rng, temperature, top_k, top_p):
             sampling.sample(logits, temperature, top_k, top_p, seed, position)
 
 
+def test_top_p_keeps_the_prefix_that_reaches_it():
+    """top-p keeps the smallest set of likeliest tokens whose weight reaches top_p, the boundary included: logits
+    0, ln 1/2, ln 1/2 weigh exactly 2^32, 2^31, 2^31 (exp rounded to float32 is 1/2), so token 0 alone holds half
+    the total. At top_p = 0.5 every draw is token 0; a hair above, the tied pair joins."""
+    logits = np.array([0, np.log(0.5), np.log(0.5)], np.float32)
+    assert {sampling.sample(logits, 1.0, None, 0.5, seed, 1) for seed in range(40)} == {0}
+    assert {sampling.sample(logits, 1.0, None, 0.5 + 1e-9, seed, 1) for seed in range(40)} == {0, 1, 2}
+    if SIMULATOR:  # there the kernel's exp is the twin's (float64, rounded); a GPU's expf may be an ulp off this tie
+        assert {_sample_on_device(logits, 1.0, None, 0.5, seed, 1) for seed in range(6)} == {0}
+
+
 def test_feed_tokens_feeds_each_row_the_token_its_source_chose(rng):
     """feed_tokens (the first kernel of a pipelined batched step): a row with a source row takes the token that row
     chose (0 for NO_TOKEN), the others keep the token the host sent; the NumPy twin gives the same ids. 70 rows: more

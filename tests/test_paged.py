@@ -19,7 +19,9 @@ from course_lib.gpu.kv_cache import (
     SequenceTooLongError,
     UnknownSequenceError,
 )
+from course_lib.kernels import cuda
 from course_lib.kernels import paged_attention as pa
+from course_lib.kernels.vector import bf16x8, words
 from course_lib.model.config import LLAMA_31_8B, ModelConfig
 from course_lib.model.safetensors_io import bf16_to_f32, f32_to_bf16
 
@@ -257,6 +259,36 @@ def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4, chunks=pa.SEQUENCE_CH
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100, 300])  # one page, page boundaries, several chunks and steps
 def test_flash_decode(rng, n, dtype, H, Hkv, hd):
     check_flash(rng, 1, H, Hkv, hd, n, dtype)
+
+
+@pytest.mark.parametrize("n, target", [(100, 1), (300, 2)])  # one chunk, normalized at once; two, merged
+def test_chunk_block_merges_its_warps(rng, n, target):
+    """The simulator's flash-decoding blocks have one warp (WARPS), so there the warps' merge through shared memory
+    has a single term: a block of two warps built from the same body (chunk_block_for, as the megakernel builds its
+    own), each warp's teams given keys of the chunk, against the float64 reference."""
+    H, Hkv, hd, page, warps, unroll = 3, 1, 16, 4, 2, pa.SEQUENCE_CHUNKS.unroll
+    block = pa.chunk_block_for(bf16x8, H // Hkv, hd, page, 1, unroll, warps=warps)
+    step = warps * (32 // pa.team_size(hd)) * unroll  # keys of one block step: both warps' teams
+    assert n >= warps * 32 // pa.team_size(hd)  # every team of both warps holds keys
+
+    @cuda.jit
+    def two_warps(q, k_words, v_words, page_table, positions, target, unit, scale, out, o_part, m_part, l_part):
+        block(cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, q, k_words, v_words, page_table, positions, target,
+              unit, scale, out, o_part, m_part, l_part, 0)
+
+    q, k, v, page_table, positions, k_log, v_log = paged_case(rng, 1, H, Hkv, hd, n, "bf16", page)
+    length = pa.chunk_len(n, target, step)
+    chunks = -(-n // length)
+    assert chunks == target
+    out = poisoned(q.shape)
+    parts = (poisoned((1, H, chunks, hd)), poisoned((1, H, chunks)), poisoned((1, H, chunks)))
+    two_warps[(chunks, H, 1), 32 * warps](dev(q), words(dev(k)), words(dev(v)), dev(page_table), dev(positions),
+                                          target, step, np.float32(1 / np.sqrt(hd)), out, *parts)
+    if chunks > 1:
+        pa.merge_chunks[(H, 1), 32](*parts, dev(positions), target, step, out)
+    want = R.attention(q.astype(np.float64), k_log.astype(np.float64), v_log.astype(np.float64), positions)
+    tiles = -(-length // step) + 5 + 1 + 1  # as rescales(): the team's steps, the shuffles, the warps, the merge
+    check(out.copy_to_host(), want, flash_tolerance(q, k_log, v_log, positions, tiles), f"n={n}, {warps} warps")
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -51,6 +51,7 @@ PROJECT_CASES = (  # (K, N, T, weights, normed); T = 6: two chunks of ROWS rows;
 def test_project_matches_float64(rng, K, N, T, dtype, normed):
     """out = h @ W.T, and out += h @ W.T (the residual); each row's bits equal to the row launched alone."""
     x, gamma = randn(rng, T, K), 1 + randn(rng, K, scale=0.1)
+    x[0] *= 3e-3  # a row whose mean square is about eps: the norm's eps then moves it by a third
     stored, w64 = weights(rng, K, N, dtype)
     rows = dev(rd.output_rows(stored))
     norm = (dev(gamma), EPS) if normed else None
