@@ -349,6 +349,25 @@ def test_top_p_keeps_the_prefix_that_reaches_it():
         assert {_sample_on_device(logits, 1.0, None, 0.5, seed, 1) for seed in range(6)} == {0}
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="on a GPU the blocks have their full size in every test")
+def test_block_reductions_across_warps_in_the_simulator(rng, monkeypatch):
+    """The simulator's sampler and norm blocks are one warp (kernels.sized), so there their reductions across warps
+    (shared scratch, a second round of shuffles, the scan's sums of the warps before) add one term. The simulator
+    reads a module's constants as the kernel runs: with three warps a block, the sampler draws its twin's token
+    (cut into the same 96 ranges of ids) and the norm stays within its bound."""
+    monkeypatch.setattr(sampling, "THREADS", 96)
+    monkeypatch.setattr(ew, "NORM_THREADS", 96)
+    for temperature, top_k, top_p in ((0.0, None, None), (0.8, 50, None), (1.0, None, 0.9), (0.7, 20, 0.5)):
+        logits = randn(rng, 300, scale=3.0)
+        seed, position = int(rng.integers(0, 2**63)), int(rng.integers(1, 12))
+        assert _sample_on_device(logits, temperature, top_k, top_p, seed, position) == \
+            sampling.sample(logits, temperature, top_k, top_p, seed, position, threads=96)
+    x = randn(rng, 3, 200) * np.array([[0.01], [1.0], [30.0]], np.float32)
+    w, w32 = weight(rng, "f32", 200)
+    want = R.rms_norm(x, w32, 1e-5)
+    check(ew.rms_norm(dev(x), dev(w), 1e-5, out=poisoned((3, 200))).copy_to_host(), want, rms_norm_tolerance(want))
+
+
 def test_feed_tokens_feeds_each_row_the_token_its_source_chose(rng):
     """feed_tokens (the first kernel of a pipelined batched step): a row with a source row takes the token that row
     chose (0 for NO_TOKEN), the others keep the token the host sent; the NumPy twin gives the same ids. 70 rows: more
