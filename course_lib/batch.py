@@ -411,7 +411,13 @@ def _continuous(model, seqs, runner, name, max_running, on_finish, on_step, stat
             done(seq)
 
     while scheduler.waiting or scheduler.running:
-        for seq in scheduler.admit():
+        admitted = scheduler.admit()
+        if not admitted and not scheduler.running:  # nothing runs, so nothing will free a page: never wait forever
+            head = scheduler.waiting[0]
+            raise RuntimeError(f"the batch cannot go on: prompt {head.index} needs "
+                               f"{head.pages_to_run(runner.cache.page_size)} pages, {runner.cache.free_pages} of "
+                               f"{runner.cache.pages} are free and no sequence runs (pages not given back?)")
+        for seq in admitted:
             seq.kv = PagedSequence(runner.cache, seq.index, len(seq.prompt_ids) + seq.max_new_tokens)
             seq.admitted_at = seq.admitted_at or time.perf_counter()
             if seq.tokens:  # a preempted sequence has its next token already

@@ -124,6 +124,14 @@ def test_scheduler_admits_by_free_pages_and_gives_them_back(tiny):
     assert cache.free_pages == 4 and scheduler.admit() == seqs[1:]  # 3 + 1 pages
 
 
+def test_a_batch_that_cannot_go_on_is_an_error_not_a_hang(tiny, monkeypatch):
+    """If pages were never given back (a bug), a waiting sequence could wait forever with nothing running: the loop
+    says so instead."""
+    monkeypatch.setattr(Scheduler, "finish", lambda self, seq: self.running.remove(seq))  # the pages kept
+    with pytest.raises(RuntimeError, match=r"the batch cannot go on: prompt \d needs \d pages, 0 of \d are free"):
+        generate_batch(tiny, PROMPTS[:3], backend="numpy", max_new_tokens=3, stop=False, max_running=1)
+
+
 def test_each_step_reports_the_sequences_it_decodes(tiny):
     """on_step: the running set of each decode step. With one running at a time, every sequence runs alone, in
     order, for max_new_tokens - 1 steps (its first token comes from its prefill); with room for all, they run

@@ -9,10 +9,23 @@ from course_lib import reference
 
 def test_rms_norm(rng):
     x = rng.standard_normal((5, 96)).astype(np.float32) * 3
+    x[0] *= 1e-3  # a row whose mean square is about eps: where eps sits counts
     w = rng.standard_normal(96).astype(np.float32)
     x64 = x.astype(np.float64)
     expected = x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-5) * w
     np.testing.assert_allclose(reference.rms_norm(x, w, 1e-5), expected, rtol=0, atol=64 * U32 * np.abs(expected).max())
+
+
+def test_rope_tables_are_the_angles_of_the_paper():
+    """angle(p, i) = p theta^(-2i / hd) for the pair (i, i + hd/2): the tables at two positions, written out."""
+    from course_lib.model.config import SMOLLM2_135M as c
+
+    cos, sin = reference.rope_tables(c, 101)
+    i = np.arange(c.head_dim // 2)
+    for p in (1, 100):
+        angle = p * c.rope_theta ** (-2.0 * i / c.head_dim)
+        np.testing.assert_allclose(cos[p], np.cos(angle), rtol=0, atol=2 * U32)
+        np.testing.assert_allclose(sin[p], np.sin(angle), rtol=0, atol=2 * U32)
 
 
 def test_rope_is_a_rotation_that_encodes_relative_position(tiny, rng):

@@ -233,6 +233,13 @@ def test_no_bos_and_stop_ids(tok):
     assert tok.vocab_size == 49152
 
 
+def test_the_models_eos_stops_even_if_no_known_end_token():
+    """stop_ids: the known end tokens the vocabulary holds, and the model's own eos token whatever its text."""
+    vocab = {"a": 0, "<eos>": 1, "<|endoftext|>": 2, "b": 3}
+    tok = Tokenizer(HFTokenizer(models.BPE(vocab=vocab, merges=[])), None, bos_id=None, eos_id=1)
+    assert tok.stop_ids == {1, 2}
+
+
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["user", "system", "multi_turn"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(tok, hf_tok, messages, add_generation_prompt):
