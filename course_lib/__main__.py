@@ -90,8 +90,7 @@ def _generate_batch(args) -> int:
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               chat=args.chat, backend=args.backend, on_step=step, on_finish=finished)
     except BadPromptsError as e:
-        raise ValueError(f"{args.prompts_file}: bad prompts, nothing was generated:\n  " + "\n  ".join(
-            f"line {lines[i]} {text}" for i, text in e.problems)) from None
+        raise ValueError(f"{args.prompts_file}: " + e.report(lambda i: f"line {lines[i]}")) from None
     finally:
         if bar is not None:
             bar.close()

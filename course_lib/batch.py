@@ -313,8 +313,11 @@ class BadPromptsError(ValueError):
 
     def __init__(self, problems: list[tuple[int, str]]):
         self.problems = problems
-        super().__init__("bad prompts, nothing was generated:\n  " + "\n  ".join(
-            f"prompt {i} {text}" for i, text in problems))
+        super().__init__(self.report())
+
+    def report(self, name=lambda i: f"prompt {i}") -> str:
+        """The message, each problem named by name(index) (the CLI names a prompt by its line in the file)."""
+        return "bad prompts, nothing was generated:\n  " + "\n  ".join(f"{name(i)} {text}" for i, text in self.problems)
 
 
 def generate_batch(model: Model, prompts: list, *, max_new_tokens: int, temperature: float = 0.0,

@@ -242,7 +242,12 @@ def rescales(n, H, Hkv, hd, chunks=pa.SEQUENCE_CHUNKS):
     one per shuffle round merging the teams of a warp (at most 5), one for the warps, then in merge_chunks one per
     later round of its component's thread (MERGE_UNROLL chunks each)."""
     length, count = pa.chunks_for(n, H, Hkv, hd, chunks=chunks)
-    return -(-length // pa.tile_keys(hd, chunks.unroll)) + 5 + 1 + -(-count // pa.MERGE_UNROLL)
+    return rescales_of(length, pa.tile_keys(hd, chunks.unroll), count)
+
+
+def rescales_of(length, step, count):
+    """rescales() for chunks of `length` keys read `step` keys a block step, `count` chunks."""
+    return -(-length // step) + 5 + 1 + -(-count // pa.MERGE_UNROLL)
 
 
 def check_flash(rng, T, H, Hkv, hd, n, dtype, page_size=4, chunks=pa.SEQUENCE_CHUNKS):
@@ -287,7 +292,7 @@ def test_chunk_block_merges_its_warps(rng, n, target):
     if chunks > 1:
         pa.merge_chunks[(H, 1), 32](*parts, dev(positions), target, step, out)
     want = R.attention(q.astype(np.float64), k_log.astype(np.float64), v_log.astype(np.float64), positions)
-    tiles = -(-length // step) + 5 + 1 + 1  # as rescales(): the team's steps, the shuffles, the warps, the merge
+    tiles = rescales_of(length, step, chunks)
     check(out.copy_to_host(), want, flash_tolerance(q, k_log, v_log, positions, tiles), f"n={n}, {warps} warps")
 
 
