@@ -163,6 +163,7 @@ def _bench(args) -> int:
         format_batch,
         format_batch_profile,
         format_bench,
+        gpu_name,
         run_bench,
     )
 
@@ -175,8 +176,8 @@ def _bench(args) -> int:
         print(format_batch_profile(profile))
         if args.save:
             with open(args.save, "w") as f:
-                json.dump({"batch": rows, "context": args.context, "steps": args.steps, "peers": peers,
-                           "peer_batch": max(sizes), "profile": profile}, f, indent=1)
+                json.dump({"gpu": gpu_name(), "batch": rows, "context": args.context, "steps": args.steps,
+                           "peers": peers, "peer_batch": max(sizes), "profile": profile}, f, indent=1)
         return 0
     recipes = None if args.recipes == "all" else args.recipes.split(",")
     result = run_bench(model, recipes, args.weights, args.context, args.steps, peers=not args.no_peers,
