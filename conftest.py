@@ -11,16 +11,16 @@ import pytest
 GPU_SUITE = {"test_kernels.py", "test_paged.py", "test_cuda_backend.py", "test_paged_backend.py", "test_recipes.py",
              "test_tolerances.py", "test_generate.py", "test_kernel_cache.py", "test_cache_equality.py",
              "test_batch.py", "test_fused.py", "test_row_dot.py", "test_megakernel_kernel.py"}
-# the simulator's run on CI's two cores (minutes, --durations=0, 2026-12-04): test_cache_equality.py 12.8,
-# test_kernels.py 9.1, test_cuda_backend.py 8.3, test_recipes.py 6.3, test_megakernel_kernel.py 4.4, test_batch.py
-# 2.9, each notebook 0.6 to 2.0; 60 in all. pytest-xdist (--dist loadfile) gives a worker the next file of this order
-# as the one it runs nears its end: the longest first, so that no long file starts late and ends alone (that run, with
-# the notebooks between the long files, took 35 minutes)
-LONGEST_FIRST = ["test_cache_equality.py", "test_kernels.py", "test_cuda_backend.py", "test_recipes.py",
-                 "test_megakernel_kernel.py", "test_batch.py", "07_many_sequences.ipynb", "05_fused_operations.ipynb",
-                 "03_a_cache_that_no_longer_grows.ipynb", "02_narrow_matrices.ipynb", "test_row_dot.py",
-                 "06_launches.ipynb", "test_fused.py", "test_paged.py", "01_where_the_time_goes.ipynb",
-                 "test_hf_parity.py", "test_paged_backend.py", "04_flash_decoding.ipynb"]
+# longest first, by their time in the simulator on CI's two cores (2026-12-07: test_kernels.py 9.8 minutes, its
+# sm_90 compile 3.9 of them; test_megakernel_kernel.py 5.9, test_cuda_backend.py 5.2, test_recipes.py 3.1; the rest 2
+# or less; 40 in all). pytest-xdist (--dist loadfile) gives a worker the next file of this order as the one it runs
+# nears its end: the longest first, so that no long file starts late and ends alone
+LONGEST_FIRST = ["test_kernels.py", "test_megakernel_kernel.py", "test_cuda_backend.py", "test_recipes.py",
+                 "test_cache_equality.py", "test_batch.py", "02_narrow_matrices.ipynb", "test_hf_parity.py",
+                 "07_many_sequences.ipynb", "06_launches.ipynb", "03_a_cache_that_no_longer_grows.ipynb",
+                 "test_fused.py", "test_megakernel.py", "05_fused_operations.ipynb", "01_where_the_time_goes.ipynb",
+                 "test_paged.py", "test_paged_backend.py", "test_tokenizer.py", "test_row_dot.py",
+                 "04_flash_decoding.ipynb"]
 
 
 def pytest_collection_modifyitems(items):

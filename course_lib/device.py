@@ -29,21 +29,22 @@ def gpu_available() -> bool:
 
 def by_mode(gpu, simulator):
     """`gpu` on a GPU, `simulator` without one: sizes for notebooks and tests (real shapes on a GPU, tiny ones in
-    the simulator, which runs every CUDA thread as a Python thread)."""
+    the simulator, which interprets every CUDA thread in Python)."""
     return gpu if gpu_available() else simulator
 
 
-SIMULATOR_MAX_PARAMS = 10_000_000  # the simulator runs every GPU thread as a Python thread: tiny models only
+SIMULATOR_MAX_PARAMS = 10_000_000  # the simulator interprets every GPU thread in Python: tiny models only
 
 
 def check_fits_simulator(config) -> None:
     """Refuse, with the way out, a model the CUDA simulator would take hours per token on (no GPU here): the CUDA
     backends run there for tiny models (tests, notebooks), not for a real one."""
     if not gpu_available() and config.n_params() > SIMULATOR_MAX_PARAMS:
-        raise ValueError(f"backend='cuda' without a GPU runs the kernels in Numba's CUDA simulator, every GPU thread a "
-                         f"Python thread: {config.name or config.arch} ({config.n_params() / 1e6:.0f}M parameters) "
-                         "would take hours per token there. Use backend='numpy' or 'auto' (the NumPy reference), "
-                         f"or a model under {SIMULATOR_MAX_PARAMS // 1_000_000}M parameters (course_lib.tiny_model())")
+        raise ValueError(f"backend='cuda' without a GPU runs the kernels in Numba's CUDA simulator, every GPU thread "
+                         f"interpreted in Python: {config.name or config.arch} ({config.n_params() / 1e6:.0f}M "
+                         "parameters) would take hours per token there. Use backend='numpy' or 'auto' (the NumPy "
+                         f"reference), or a model under {SIMULATOR_MAX_PARAMS // 1_000_000}M parameters "
+                         "(course_lib.tiny_model())")
 
 
 def mode() -> str:

@@ -1,6 +1,6 @@
 """The baseline kernels against course_lib.reference (or NumPy), in Numba's CUDA simulator when there is no GPU.
 
-Shapes are tiny (the simulator runs each CUDA thread as a Python thread) and never multiples of the block or
+Shapes are tiny (the simulator interprets each CUDA thread in Python) and never multiples of the block or
 tile sizes. Weights are tried as float32 and as bf16 (uint16 bits); the reference then sees the widened float32
 values, so both sides compute with the same numbers. Every output is filled with NaN (or a sentinel) before the
 kernel runs, so an element the kernel forgets to write fails the test. Seed: KERNEL_TEST_SEED (default in checks.py).
@@ -97,6 +97,28 @@ def test_simulator_polyfills():
     np.testing.assert_array_equal(out_xor.copy_to_host(), t ^ 1)
     np.testing.assert_array_equal(out_down.copy_to_host(), np.where(t % 32 < 30, t + 2, t) * 10)  # lanes 30, 31 keep
     np.testing.assert_array_equal(out_bits.copy_to_host(), (0x3F800000 + t).astype(np.uint32).view(np.float32))
+
+
+@cuda.jit
+def _early_leaver(out, leave):
+    """Lane `leave` returns before the warp's shuffle; the others need its value: a deadlock on the GPU."""
+    t = cuda.threadIdx.x
+    if t == leave:
+        return
+    out[t] = cuda.shfl_xor_sync(0xFFFFFFFF, t, 1)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's scheduler: a GPU would hang")
+def test_the_simulator_names_a_deadlock_at_once():
+    """A block whose live threads all wait and none can go on is an error naming them, raised as soon as it
+    happens (not after a timeout); the same kernel with every lane present runs."""
+    import threading
+
+    out = poisoned(32, np.int32)
+    with pytest.raises(threading.BrokenBarrierError, match="every live thread waits"):
+        _early_leaver[1, 32](out, 5)
+    _early_leaver[1, 32](out, 32)
+    np.testing.assert_array_equal(out.copy_to_host(), np.arange(32) ^ 1)
 
 
 

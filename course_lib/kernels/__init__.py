@@ -51,8 +51,9 @@ def sm_count(simulated: int = SIM_SMS) -> int:
 
 
 def sized(gpu: int, simulator: int) -> int:
-    """A block dimension: `gpu` on a GPU, the smaller `simulator` in the simulator, where every CUDA thread is a
-    Python thread and every barrier a Python barrier (the same code runs; only the launch geometry shrinks)."""
+    """A block dimension: `gpu` on a GPU, the smaller `simulator` in the simulator, where every CUDA thread is
+    interpreted in Python and every barrier hands over to the others (the same code runs; only the launch geometry
+    shrinks)."""
     return simulator if SIMULATOR else gpu
 
 

@@ -1,7 +1,7 @@
-"""What Numba's CUDA simulator lacks and the course's kernels use: warp shuffles, syncwarp, libdevice.
+"""What Numba's CUDA simulator lacks and the course's kernels use, and a faster way to run its blocks.
 
-The simulator runs every CUDA thread of a block as a Python thread and hands each kernel a fake `cuda` module
-(an instance of `FakeCUDAModule`). `install()` adds the missing functions to that class, once:
+The simulator hands each kernel a fake `cuda` module (an instance of `FakeCUDAModule`). `install()` adds the missing
+functions to that class, once:
 
 - `shfl_down_sync`, `shfl_up_sync`, `shfl_xor_sync`, `shfl_sync`: the lanes of a warp (32 consecutive threads
   of the block) publish their value and meet at a barrier, then read the source lane's. As on the GPU, a source
@@ -9,77 +9,133 @@ The simulator runs every CUDA thread of a block as a Python thread and hands eac
   the call (the kernels only use full warps).
 - `syncwarp`: a barrier for the warp's lanes.
 - `libdevice.int_as_float` and `libdevice.float_as_int`: reinterpret 32 bits.
-- `nanosleep`: a real sleep (used by the `hold` kernel of the benchmarks).
+- `nanosleep`: a lane that polls gives the others their turn (the megakernel's counters).
 
-The barriers are the simulator's slowest part (32 Python threads handing the interpreter lock round, ~1 ms per
-exchange of a warp), so an exchange costs one barrier (the values are double-buffered: a lane can only overwrite a
-buffer after a second barrier, which every lane reaches after reading it), and `segment_reduce` gives the
-course's warp reductions (`elementwise.segment_sum`, `segment_max`) a twin that exchanges once and then computes,
-in each lane, its own butterfly: the same operations on the same operands in the same order, so the same bits,
-for one barrier instead of log2(width).
+It also replaces how a block runs. The stock simulator makes every CUDA thread a Python thread, and its barriers
+hand the interpreter lock from thread to thread through the operating system: about 1 ms for 32 lanes to meet, and
+the course's kernels meet at every warp reduction. Here a block's threads are greenlets (coroutines of one Python
+thread, the `greenlet` package): a lane runs until it waits (syncthreads, a warp barrier, nanosleep) and hands over
+to the block's scheduler, which resumes the lanes that can go on, in lane order. A switch costs about a
+microsecond, and the order is the same from run to run. The semantics are the simulator's: threads released together
+at syncthreads when every live one waits there; a warp's lanes released when all have reached its barrier.
 
-A lane that never arrives (it returned early, or waits at `syncthreads`) breaks the barrier after
-`BARRIER_TIMEOUT_S` and the kernel fails with `BrokenBarrierError` instead of hanging.
+An exchange costs one barrier (the values are double-buffered: a lane can only overwrite a buffer after a second
+barrier, which every lane reaches after reading it), and `segment_reduce` gives the course's warp reductions
+(`elementwise.segment_sum`, `segment_max`) a twin that exchanges once and then computes the butterfly: the same
+operations on the same operands in the same order, so the same bits, for one barrier instead of log2(width).
 
-It also replaces the simulator's block scheduler. The stock one polls its threads in a busy loop to find out
-when all of them wait at `syncthreads`, and that loop competes for the GIL with the threads doing the work
-(a 16-thread matmul block took ~0.9 s). Here the threads tell the scheduler through a condition variable
-when they block or finish, and it sleeps in between: the same semantics, 4 to 10 times faster.
+A block whose live lanes all wait and cannot be released (a lane returned early or waits at `syncthreads` while
+the others wait at a warp barrier: a deadlock on the GPU) fails at once with `BrokenBarrierError`, naming the lanes.
 """
 
 from __future__ import annotations
 
 import threading
-import time
+import types
 
+import greenlet
 import numpy as np
+from numba.cuda.simulator.kernel import BlockThread
+from numba.cuda.simulator.kernelapi import Dim3
 
 WARP_SIZE = 32
-BARRIER_TIMEOUT_S = 60.0
+
+
+class _Thread:
+    """A CUDA thread of the block being run: its greenlet, and what the simulator's `cuda` module asks of
+    `threading.current_thread()` (threadIdx, blockIdx, syncthreads, ...). `waiting`: None while it can run, else
+    what it waits at ("syncthreads", a warp's _Barrier, or "its turn" after nanosleep)."""
+
+    def __init__(self, manager, grid_point, point, run):
+        self._manager = manager
+        self.blockIdx, self.threadIdx = Dim3(*grid_point), Dim3(*point)
+        x, y, _ = manager._block_dim
+        self.thread_id = point[0] + x * (point[1] + y * point[2])
+        self.waiting = None
+        self.glet = greenlet.greenlet(run)
+        self.glet.cuda_thread = self
+
+    def wait(self, what):
+        """Hand over to the block's scheduler until it resumes this thread (once `what` is over)."""
+        self.waiting = what
+        self.glet.parent.switch()
+
+    def syncthreads(self):
+        self.wait("syncthreads")
+
+    # the block votes, as the simulator's threads cast them (through syncthreads above)
+    syncthreads_count, syncthreads_and, syncthreads_or = (
+        BlockThread.syncthreads_count, BlockThread.syncthreads_and, BlockThread.syncthreads_or)
+
+    def __str__(self):
+        return f"Thread <<<{self.blockIdx}, {self.threadIdx}>>>"
+
+
+def _current() -> _Thread:
+    """The CUDA thread running now (the greenlet's), else the Python thread (outside a kernel)."""
+    return getattr(greenlet.getcurrent(), "cuda_thread", None) or threading.current_thread()
+
+
+class _Barrier:
+    """A warp's barrier: the last of its n lanes to arrive releases the others."""
+
+    def __init__(self, n: int):
+        self.n, self.arrived = n, []
+
+    def wait(self):
+        me = _current()
+        if len(self.arrived) == self.n - 1:
+            for thread in self.arrived:
+                thread.waiting = None
+            self.arrived = []
+            return
+        self.arrived.append(me)
+        me.wait(self)
 
 
 class _Warp:
-    """The lanes of one warp of one block: a barrier and two buffers of a slot per lane (used in turn)."""
+    """The lanes of one warp of one block: a barrier, and two buffers of a slot per lane (used in turn), each with
+    the partial results of a reduction that its lanes share (`segment_reduce`)."""
 
     def __init__(self, n_lanes: int):
         self.n_lanes = n_lanes
-        self.barrier = threading.Barrier(n_lanes, timeout=BARRIER_TIMEOUT_S)
+        self.barrier = _Barrier(n_lanes)
         self.buffers = ([None] * n_lanes, [None] * n_lanes)
+        self.partials = ({}, {})
         self.turn = [0] * n_lanes  # per lane: the buffer of its next exchange
-
-
-_registry_lock = threading.Lock()
 
 
 def _my_warp() -> tuple[_Warp, int]:
     """(the calling thread's warp, its lane). Warps are kept on the block's manager, which lives for one block."""
-    thread = threading.current_thread()
+    thread = _current()
     warp_id, lane = divmod(thread.thread_id, WARP_SIZE)
     block = thread._manager
-    with _registry_lock:
-        warps = block.__dict__.setdefault("_course_lib_warps", {})
-        warp = warps.get(warp_id)
-        if warp is None:
-            n_threads = int(np.prod(block._block_dim))
-            warp = warps[warp_id] = _Warp(min(WARP_SIZE, n_threads - warp_id * WARP_SIZE))
+    warps = block.__dict__.setdefault("_course_lib_warps", {})
+    warp = warps.get(warp_id)
+    if warp is None:
+        n_threads = int(np.prod(block._block_dim))
+        warp = warps[warp_id] = _Warp(min(WARP_SIZE, n_threads - warp_id * WARP_SIZE))
     return warp, lane
 
 
-def _published(value) -> tuple[list, int, int]:
-    """Publish this lane's value and wait for the warp's: (the warp's values, this lane, the warp's lane count).
-    The list stays valid until this lane's next exchange but one (no lane can write it again before every lane
-    has passed the next barrier, after reading)."""
+def _published(value) -> tuple[list, int, int, dict]:
+    """Publish this lane's value and wait for the warp's: (the warp's values, this lane, the warp's lane count, the
+    exchange's shared partial results). Both stay valid until this lane's next exchange but one (no lane can write
+    them again before every lane has passed the next barrier, after reading); the partials of the exchange before
+    are cleared here, every lane having passed its reading of them to reach this barrier."""
     warp, lane = _my_warp()
-    values = warp.buffers[warp.turn[lane]]
+    turn = warp.turn[lane]
+    values = warp.buffers[turn]
     warp.turn[lane] ^= 1
     values[lane] = value
     warp.barrier.wait()
-    return values, lane, warp.n_lanes
+    warp.partials[turn ^ 1].clear()
+    return values, lane, warp.n_lanes, warp.partials[turn]
 
 
 def _exchange(value, source_lane):
     """Every lane publishes `value` and gets the value of lane source_lane(lane) (its own if out of range)."""
-    values, lane, n_lanes = _published(value)
+    values, lane, n_lanes, _ = _published(value)
     src = source_lane(lane)
     return values[src] if 0 <= src < n_lanes else value
 
@@ -87,15 +143,20 @@ def _exchange(value, source_lane):
 def segment_reduce(op):
     """The simulator's twin of a butterfly reduction over aligned segments of `width` lanes (offsets width / 2,
     ..., 1, each lane combining op(its value, the value of lane ^ offset)): one exchange, then each lane evaluates
-    its own tree of the butterfly, with the same operands in the same order."""
+    its own tree of the butterfly, with the same operands in the same order. The lanes' trees share their subtrees
+    (lanes l and l ^ offset both need both values of the stage before): each node is computed once, by the first
+    lane that needs it, and read by the others."""
 
     def reduce(v, width):
-        values, lane, _ = _published(v)
+        values, lane, _, partials = _published(v)
 
         def after(of_lane, offset):  # the value of lane of_lane once the offsets width / 2 .. offset are done
             if offset >= width:
                 return values[of_lane]
-            return op(after(of_lane, 2 * offset), after(of_lane ^ offset, 2 * offset))
+            node = partials.get((of_lane, offset))
+            if node is None:
+                node = partials[of_lane, offset] = op(after(of_lane, 2 * offset), after(of_lane ^ offset, 2 * offset))
+            return node
 
         return after(lane, 1)
 
@@ -142,81 +203,60 @@ _POLYFILLS = {
     "shfl_xor_sync": _shfl_xor_sync,
     "syncwarp": _syncwarp,
     "libdevice": property(lambda self: _LibDevice),
-    "nanosleep": lambda self, ns: time.sleep(ns * 1e-9),  # the GPU's is a hint; here a real sleep
+    "nanosleep": lambda self, ns: _current().wait("its turn"),  # the GPU's is a hint: here the others' turn
 }
 
 
 def _run_block(self, grid_point, *args):
-    """BlockManager.run: start the block's threads; release them together when all live ones wait at
-    syncthreads; re-raise the first exception; return when all have finished."""
-    from numba.cuda.simulator.kernel import BlockThread
-
-    wake = threading.Condition()
-    threads = [BlockThread(lambda: self._f(*args), self, grid_point, point, self._debug)
-               for point in np.ndindex(*self._block_dim)]
-    for t in threads:
-        t.wake = wake
-        t.start()
+    """BlockManager.run: the block's threads as greenlets, resumed in lane order while they can run; all released
+    together when every live one waits at syncthreads. The first exception is raised as the simulator raises it
+    (naming the thread); a block whose live threads all wait, and not all at syncthreads, is a deadlock."""
+    threads = [_Thread(self, grid_point, point, lambda: self._f(*args)) for point in np.ndindex(*self._block_dim)]
     live = threads
-    with wake:
-        while live:
-            failed = next((t for t in threads if t.exception), None)
-            if failed is not None:
-                for t in threads:
-                    t.abort, t.syncthreads_blocked = True, False
-                    t.syncthreads_event.set()
-                raise failed.exception[0].with_traceback(failed.exception[1])
-            live = [t for t in live if t.is_alive()]
-            if live and all(t.syncthreads_blocked for t in live):
-                for t in live:
-                    t.syncthreads_blocked = False
-                    t.syncthreads_event.set()
-            elif live:
-                wake.wait(0.05)  # woken by a thread that blocks or ends; the timeout is only a safety net
-    for t in threads:
-        t.join()
-        if t.exception:
-            raise t.exception[0].with_traceback(t.exception[1])
+    while live:
+        for thread in live:
+            if thread.waiting == "its turn":
+                thread.waiting = None
+            if thread.waiting is None:
+                try:
+                    thread.glet.switch()
+                except Exception as e:
+                    where = f"tid={list(thread.threadIdx)} ctaid={list(thread.blockIdx)}"
+                    raise type(e)(f"{where}: {e}" if str(e) else where).with_traceback(e.__traceback__) from None
+        live = [t for t in live if not t.glet.dead]
+        if live and all(t.waiting == "syncthreads" for t in live):
+            for t in live:
+                t.waiting = None
+        elif live and all(t.waiting is not None and t.waiting != "its turn" for t in live):
+            stuck = ", ".join(f"{list(t.threadIdx)} at {t.waiting if isinstance(t.waiting, str) else 'a warp barrier'}"
+                              for t in live[:4])
+            raise threading.BrokenBarrierError(f"block {list(grid_point)}: every live thread waits and none can go on "
+                                               f"(a thread left early, or waits at another barrier): {stuck}, ...")
 
 
-def _syncthreads(self):
-    """BlockThread.syncthreads: mark this thread blocked, wake the scheduler, wait to be released."""
-    if self.abort:
-        raise RuntimeError("abort flag set on syncthreads call")
-    with self.wake:
-        self.syncthreads_blocked = True
-        self.wake.notify()
-    self.syncthreads_event.wait()
-    self.syncthreads_event.clear()
-    if self.abort:
-        raise RuntimeError("abort flag set on syncthreads clear")
+class _Threading(types.ModuleType):
+    """The `threading` the simulator's `cuda` module sees: current_thread() is the CUDA thread running now."""
 
+    def __getattr__(self, name):
+        return getattr(threading, name)
 
-def _thread_body(original_run):
-    def run(self):
-        """BlockThread.run, then wake the scheduler: this thread has ended."""
-        try:
-            original_run(self)
-        finally:
-            with self.wake:
-                self.wake.notify()
-
-    return run
+    @staticmethod
+    def current_thread():
+        return _current()
 
 
 def install() -> None:
     """Add the polyfills to the simulator's fake `cuda` module (only those it lacks) and install the faster
     block scheduler; safe to call again."""
-    from numba.cuda.simulator import kernel
+    from numba.cuda.simulator import kernel, kernelapi
     from numba.cuda.simulator.kernelapi import FakeCUDAModule
 
     for name, value in _POLYFILLS.items():
         if not hasattr(FakeCUDAModule, name):
             setattr(FakeCUDAModule, name, value)
     if kernel.BlockManager.run is not _run_block:
-        kernel.BlockThread.run = _thread_body(kernel.BlockThread.run)
-        kernel.BlockThread.syncthreads = _syncthreads
         kernel.BlockManager.run = _run_block
+        kernelapi.threading = _Threading("threading")
 
 
 def installed() -> bool:
