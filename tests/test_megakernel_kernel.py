@@ -1,7 +1,8 @@
 """The megakernel (course_lib.megakernel.kernel): one persistent launch runs whole decode steps and gives the
 reference's tokens, greedy and seeded, whether the steps come in one launch or many. In the simulator one block runs
-the whole program on the tiny models (blocks run one after another there: several blocks waiting on each other
-would never finish); on a GPU a block per SM runs the real SmolLM2, against the reference and the graph recipe."""
+the whole program on the tiny models, and three blocks waiting on each other's counters once (their threads
+interleaved: kernels.blocks_together); on a GPU a block per SM runs the real SmolLM2, against the reference and the
+graph recipe."""
 
 import dataclasses
 
@@ -113,6 +114,26 @@ def test_grid_barrier_version_gives_the_same_tokens(tiny):
     assert barrier.epoch == 1
     with pytest.raises(ValueError, match="sync must be"):
         Megakernel(tiny, 32, sync="fence")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="on a GPU every test runs a block per SM")
+def test_blocks_that_wait_for_each_other_in_the_simulator(tiny):
+    """Three blocks in the simulator, run at once (kernels.blocks_together: their threads interleaved, each block
+    waiting on the counters of the others): the same tokens and the same logits, bit for bit, as one block, after the
+    prompt and after a step (each instruction does the same arithmetic on whichever block runs it). One block alone
+    never waits, so a wait for one instruction too few (a counter's target one short) passes there and fails here."""
+    runs = []
+    for blocks in (1, 3):
+        mk = Megakernel(tiny, 32, weights="f32", blocks=blocks)
+        mk.state.logits.copy_to_device(np.full(tiny.config.vocab_size, np.nan, np.float32))
+        tokens = [mk.prefill([3, 17, 42])]
+        logits = [mk.state.logits.copy_to_host()]
+        tokens += mk.decode(1)
+        runs.append((tokens, logits + [mk.state.logits.copy_to_host()]))
+    (one, one_logits), (three, three_logits) = runs
+    assert three == one
+    for a, b in zip(one_logits, three_logits, strict=True):
+        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
 
 
 def test_shapes_the_megakernel_cannot_run_are_refused(tiny):

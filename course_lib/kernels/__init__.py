@@ -37,8 +37,14 @@ if SIMULATOR:
     def compiled_once(kernel):
         """The simulator interprets kernels: nothing to compile, nothing to cache."""
         return kernel
+
+    blocks_together = _sim.blocks_together  # its blocks run at once, interleaved (they wait for one another)
 else:
     from ._disk_cache import compiled_once  # kernels compiled once per machine, kept on disk
+
+    def blocks_together(kernel):
+        """On a GPU a kernel's blocks run at once already (the simulator's runs them one after another)."""
+        return kernel
 
 
 SIM_SMS = 4  # "SMs" of the simulator, for the kernels that size their grid by the SM count (few blocks: it is slow)

@@ -24,6 +24,10 @@ barrier, which every lane reaches after reading it), and `segment_reduce` gives 
 (`elementwise.segment_sum`, `segment_max`) a twin that exchanges once and then computes the butterfly: the same
 operations on the same operands in the same order, so the same bits, for one barrier instead of log2(width).
 
+The simulator runs a kernel's blocks one after another. A kernel marked `blocks_together` (the megakernel, whose
+blocks wait on each other's counters: run one after another, the first to wait would wait forever) runs all of its
+blocks at once, their threads interleaved, each block with its own shared memory.
+
 A block whose live lanes all wait and cannot be released (a lane returned early or waits at `syncthreads` while
 the others wait at a warp barrier: a deadlock on the GPU) fails at once with `BrokenBarrierError`, naming the lanes.
 """
@@ -35,8 +39,8 @@ import types
 
 import greenlet
 import numpy as np
-from numba.cuda.simulator.kernel import BlockThread
-from numba.cuda.simulator.kernelapi import Dim3
+from numba.cuda.simulator.kernel import BlockManager, BlockThread, _get_kernel_context
+from numba.cuda.simulator.kernelapi import Dim3, FakeCUDAShared
 
 WARP_SIZE = 32
 
@@ -207,11 +211,37 @@ _POLYFILLS = {
 }
 
 
+def blocks_together(kernel):
+    """Mark a kernel whose blocks wait for one another (the megakernel's counters and grid barriers): its launches run
+    every block at once, their threads interleaved, each block with its own shared memory. Run one after another, as
+    the simulator runs blocks, the first block to wait for a later one would wait forever. Returns the kernel."""
+    kernel.fn.course_lib_blocks_together = True
+    return kernel
+
+
 def _run_block(self, grid_point, *args):
-    """BlockManager.run: the block's threads as greenlets, resumed in lane order while they can run; all released
-    together when every live one waits at syncthreads. The first exception is raised as the simulator raises it
-    (naming the thread); a block whose live threads all wait, and not all at syncthreads, is a deadlock."""
-    threads = [_Thread(self, grid_point, point, lambda: self._f(*args)) for point in np.ndindex(*self._block_dim)]
+    """BlockManager.run: the block's threads as greenlets (_run_threads). For a kernel marked `blocks_together`, the
+    launch's first block runs them all and the others return at once."""
+    if not getattr(self._f, "course_lib_blocks_together", False):
+        return _run_threads([_Thread(self, grid_point, point, lambda: self._f(*args))
+                             for point in np.ndindex(*self._block_dim)])
+    launch = _get_kernel_context()  # this launch's fake `cuda` module
+    if getattr(launch, "course_lib_ran", False):
+        return None
+    launch.course_lib_ran = True
+    threads = []
+    for block in np.ndindex(*self._grid_dim):
+        manager = self if block == tuple(grid_point) else BlockManager(self._f, self._grid_dim, self._block_dim,
+                                                                       self._debug)
+        manager.course_lib_shared = FakeCUDAShared(launch.shared._dynshared_size)
+        threads += [_Thread(manager, block, point, lambda: self._f(*args)) for point in np.ndindex(*self._block_dim)]
+    return _run_threads(threads)
+
+
+def _run_threads(threads):
+    """Resume the threads in order while they can run; release a block's threads together when every live one of
+    them waits at syncthreads. The first exception is raised as the simulator raises it (naming the thread); threads
+    that all wait while none can be released are a deadlock."""
     live = threads
     while live:
         for thread in live:
@@ -224,14 +254,25 @@ def _run_block(self, grid_point, *args):
                     where = f"tid={list(thread.threadIdx)} ctaid={list(thread.blockIdx)}"
                     raise type(e)(f"{where}: {e}" if str(e) else where).with_traceback(e.__traceback__) from None
         live = [t for t in live if not t.glet.dead]
-        if live and all(t.waiting == "syncthreads" for t in live):
-            for t in live:
-                t.waiting = None
-        elif live and all(t.waiting is not None and t.waiting != "its turn" for t in live):
-            stuck = ", ".join(f"{list(t.threadIdx)} at {t.waiting if isinstance(t.waiting, str) else 'a warp barrier'}"
-                              for t in live[:4])
-            raise threading.BrokenBarrierError(f"block {list(grid_point)}: every live thread waits and none can go on "
-                                               f"(a thread left early, or waits at another barrier): {stuck}, ...")
+        blocks = {}
+        for t in live:
+            blocks.setdefault(id(t._manager), []).append(t)
+        released = False
+        for block in blocks.values():
+            if all(t.waiting == "syncthreads" for t in block):
+                for t in block:
+                    t.waiting = None
+                released = True
+        if not released and live and all(t.waiting is not None and t.waiting != "its turn" for t in live):
+            stuck = ", ".join(f"{list(t.blockIdx)} {list(t.threadIdx)} at "
+                              f"{t.waiting if isinstance(t.waiting, str) else 'a warp barrier'}" for t in live[:4])
+            raise threading.BrokenBarrierError("every live thread waits and none can go on (a thread left early, or "
+                                               f"waits at another barrier): {stuck}, ...")
+
+
+def _shared(self):
+    """FakeCUDAModule.shared: the block's own shared memory in a launch of blocks together, else the launch's."""
+    return getattr(getattr(_current(), "_manager", None), "course_lib_shared", None) or self._shared
 
 
 class _Threading(types.ModuleType):
@@ -257,6 +298,7 @@ def install() -> None:
     if kernel.BlockManager.run is not _run_block:
         kernel.BlockManager.run = _run_block
         kernelapi.threading = _Threading("threading")
+        FakeCUDAModule.shared = property(_shared)
 
 
 def installed() -> bool:

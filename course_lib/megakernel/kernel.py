@@ -17,8 +17,9 @@ steps a counter holds size x E. The first instruction of a step (embed) also wai
 (sample): everything of step t is an ancestor of its sample, so step t + 1 starts after all of step t. A launch
 runs `steps` steps: the prompt is fed through `feed` (feed[t] >= 0: the token of step t; its logits are then not
 computed), then each step embeds the token the previous one chose. No block waits for an instruction that comes
-later in (step, program order), so the blocks cannot deadlock as long as they all run at once (one per SM). In
-the simulator the blocks run one after another: the kernel runs there with one block, whose queue is the program.
+later in (step, program order), so the blocks cannot deadlock as long as they all run at once (one per SM). The
+simulator, which runs a kernel's blocks one after another, runs this one's at once (`kernels.blocks_together`: their
+threads interleaved); by default it runs there with one block, whose queue is the program.
 
 The grid-barrier version (`barriers` > 0, the number of phases of `program.phases`) ignores the dependency lists: a
 block passes every grid barrier between the phases before an instruction's (thread 0 adds 1 to the barrier counter,
@@ -48,7 +49,7 @@ import time
 import numpy as np
 from numba import float32, int32
 
-from ..kernels import SIMULATOR, add_release, cuda, load_acquire, sized
+from ..kernels import SIMULATOR, add_release, blocks_together, cuda, load_acquire, sized
 from ..kernels.paged_attention import chunk_block_for
 from ..kernels.row_dot import (
     pair_sums_for,
@@ -161,6 +162,7 @@ def _make_megakernel(dtype, steps, group, head_dim):
     qkv_sums = pair_sums_for(1, steps, wpp == 2, True, rope_fetch_for(counted))  # RoPE's operands fetched too
     rope_store, store, store_add = rope_store_for(False), store_pair_for(False), store_pair_for(True)
 
+    @blocks_together
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS,)}))
     def megakernel(ops, waits_start, waits, counter_of, sizes, queue_start, queue, phase, barriers, counters, epoch0,
                    feed, tokens_out, token, stops, position0, temperature_top_p, top_k_seed, eps, cos, sin, embed,

@@ -133,7 +133,8 @@ def stacked_weights(model: Model, dtype: str) -> dict:
 
 class Megakernel:
     """A model ready to decode by the megakernel: one launch for the prompt, one per `decode` call. blocks: the
-    persistent grid (default: one per SM; one in the simulator, which runs blocks one after another). sync: how an
+    persistent grid (default: one per SM; one in the simulator, where the blocks' threads take turns in one Python
+    thread). sync: how an
     instruction waits for what it reads, "counters" (the instructions it depends on, counted done) or "barrier" (a
     grid barrier between consecutive phases, every block passing every one)."""
 
