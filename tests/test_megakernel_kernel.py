@@ -121,7 +121,8 @@ def test_blocks_that_wait_for_each_other_in_the_simulator(tiny):
     """Three blocks in the simulator, run at once (kernels.blocks_together: their threads interleaved, each block
     waiting on the counters of the others): the same tokens and the same logits, bit for bit, as one block, after the
     prompt and after a step (each instruction does the same arithmetic on whichever block runs it). One block alone
-    never waits, so a wait for one instruction too few (a counter's target one short) passes there and fails here."""
+    never waits, so a wait for one instruction too few (a counter's target one short) or an epoch that stays that of
+    a launch's first step (the prompt's three steps run in one launch) pass there and fail here."""
     runs = []
     for blocks in (1, 3):
         mk = Megakernel(tiny, 32, weights="f32", blocks=blocks)
