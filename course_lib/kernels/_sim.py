@@ -98,14 +98,12 @@ class _Barrier:
 
 
 class _Warp:
-    """The lanes of one warp of one block: a barrier, and two buffers of a slot per lane (used in turn), each with
-    the partial results of a reduction that its lanes share (`segment_reduce`)."""
+    """The lanes of one warp of one block: a barrier and two buffers of a slot per lane (used in turn)."""
 
     def __init__(self, n_lanes: int):
         self.n_lanes = n_lanes
         self.barrier = _Barrier(n_lanes)
         self.buffers = ([None] * n_lanes, [None] * n_lanes)
-        self.partials = ({}, {})
         self.turn = [0] * n_lanes  # per lane: the buffer of its next exchange
 
 
@@ -122,24 +120,21 @@ def _my_warp() -> tuple[_Warp, int]:
     return warp, lane
 
 
-def _published(value) -> tuple[list, int, int, dict]:
-    """Publish this lane's value and wait for the warp's: (the warp's values, this lane, the warp's lane count, the
-    exchange's shared partial results). Both stay valid until this lane's next exchange but one (no lane can write
-    them again before every lane has passed the next barrier, after reading); the partials of the exchange before
-    are cleared here, every lane having passed its reading of them to reach this barrier."""
+def _published(value) -> tuple[list, int, int]:
+    """Publish this lane's value and wait for the warp's: (the warp's values, this lane, the warp's lane count).
+    The list stays valid until this lane's next exchange but one (no lane can write it again before every lane
+    has passed the next barrier, after reading)."""
     warp, lane = _my_warp()
-    turn = warp.turn[lane]
-    values = warp.buffers[turn]
+    values = warp.buffers[warp.turn[lane]]
     warp.turn[lane] ^= 1
     values[lane] = value
     warp.barrier.wait()
-    warp.partials[turn ^ 1].clear()
-    return values, lane, warp.n_lanes, warp.partials[turn]
+    return values, lane, warp.n_lanes
 
 
 def _exchange(value, source_lane):
     """Every lane publishes `value` and gets the value of lane source_lane(lane) (its own if out of range)."""
-    values, lane, n_lanes, _ = _published(value)
+    values, lane, n_lanes = _published(value)
     src = source_lane(lane)
     return values[src] if 0 <= src < n_lanes else value
 
@@ -147,20 +142,15 @@ def _exchange(value, source_lane):
 def segment_reduce(op):
     """The simulator's twin of a butterfly reduction over aligned segments of `width` lanes (offsets width / 2,
     ..., 1, each lane combining op(its value, the value of lane ^ offset)): one exchange, then each lane evaluates
-    its own tree of the butterfly, with the same operands in the same order. The lanes' trees share their subtrees
-    (lanes l and l ^ offset both need both values of the stage before): each node is computed once, by the first
-    lane that needs it, and read by the others."""
+    its own tree of the butterfly, with the same operands in the same order."""
 
     def reduce(v, width):
-        values, lane, _, partials = _published(v)
+        values, lane, _ = _published(v)
 
         def after(of_lane, offset):  # the value of lane of_lane once the offsets width / 2 .. offset are done
             if offset >= width:
                 return values[of_lane]
-            node = partials.get((of_lane, offset))
-            if node is None:
-                node = partials[of_lane, offset] = op(after(of_lane, 2 * offset), after(of_lane ^ offset, 2 * offset))
-            return node
+            return op(after(of_lane, 2 * offset), after(of_lane ^ offset, 2 * offset))
 
         return after(lane, 1)
 
