@@ -133,10 +133,10 @@ def stacked_weights(model: Model, dtype: str) -> dict:
 
 class Megakernel:
     """A model ready to decode by the megakernel: one launch for the prompt, one per `decode` call. blocks: the
-    persistent grid (default: one per SM; one in the simulator, where the blocks' threads take turns in one Python
-    thread). sync: how an
-    instruction waits for what it reads, "counters" (the instructions it depends on, counted done) or "barrier" (a
-    grid barrier between consecutive phases, every block passing every one)."""
+    persistent grid (default: one per SM; one in the simulator, which interprets every thread: more blocks run
+    there too, at once, only slower). sync: how an instruction waits for what it reads, "counters" (the
+    instructions it depends on, counted done) or "barrier" (a grid barrier between consecutive phases, every block
+    passing every one)."""
 
     def __init__(self, model: Model, capacity: int, weights: str = "bf16", blocks: int | None = None,
                  cols: int = SLICE_COLS, vocab_cols: int = 384, sync: str = "counters"):
