@@ -16,7 +16,7 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
    two loads for float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every lane issues all the key and
    value loads of `unroll` keys of its team (Chunks), then the page-table loads of the next step's rows (they arrive
    while this step computes: a lookup never delays a step's loads), then computes its
-   part of its heads' dot products (the queries are in shared memory), which the team adds by
+   part of its heads' dot products (each lane holds its own components of the queries), which the team adds by
    shuffles; each team keeps its own online softmax (running max m, sum l = sum exp(score - m), and the lane's
    components of acc = sum p v) in registers. No barrier in the loop over keys. At the end the teams of a warp
    merge by shuffles and the warps through shared memory (m = max, l and acc rescaled by exp(m_part - m), in a
@@ -110,7 +110,7 @@ _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 6  # "SMs" of the simulator here (few blocks, yet a sequence of the tiny model's 4 query heads gets 3 chunks)
 MAX_CHUNKS = 1024  # chunks per query at most
 MERGE_THREADS = sized(256, 32)  # threads of a merge_chunks block at most (a thread per component of a head)
-MERGE_UNROLL = 16  # chunks each merge thread loads at once (their o, m and l)
+MERGE_UNROLL = 8  # chunks each merge thread loads at once (their o, m and l; 16 made a longer kernel, no faster)
 WRITE_THREADS = sized(256, 64)
 
 
@@ -265,17 +265,17 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
             load_key(k_words, v_words, n_kv, kvh, rows[u], k_r, v_r, u)
 
     @cuda.jit(device=True)
-    def attend(q_s, first, hi, scale, k_r, v_r, s, m, l, acc):  # noqa: E741 (the l of the online softmax)
-        """The online softmax over keys first + u teams < hi (k_r, v_r loaded), for each head g of the block: scores
-        s (the team's lanes add their parts by shuffles), m_new = max(m, s), l and acc rescaled by exp(m - m_new),
+    def attend(q_r, first, hi, scale, k_r, v_r, s, m, l, acc):  # noqa: E741 (the l of the online softmax)
+        """The online softmax over keys first + u teams < hi (k_r, v_r loaded; q_r the lane's components of the
+        queries, as load_key's of a key), for each head g of the block: scores s (the team's lanes add their parts by
+        shuffles), m_new = max(m, s), l and acc rescaled by exp(m - m_new),
         then p = exp(s - m_new) added to l and p v to acc. Keys past hi score -inf and change nothing."""
-        member = cuda.threadIdx.x % team
         for g in range(heads):
             for u in range(unroll):
                 s[u, g] = float32(0)
             for i in range(per_lane):
                 for e in range(8):
-                    qv = q_s[g, 8 * (member + team * i) + e]
+                    qv = q_r[g, 8 * i + e]
                     for u in range(unroll):
                         s[u, g] += qv * k_r[u, 8 * i + e]
         for u in range(unroll):
@@ -316,10 +316,10 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
         l_part [T, H, C] (max of the scores, sum of p = exp(score - m)), for the merge. Returns the query's number
         of chunks, or 0 at once when chunk c starts past its keys. A block of `warps` warps.
         """
-        q_s = cuda.shared.array((heads, head_dim), dtype=float32)
         m_w = cuda.shared.array((warps, heads), dtype=float32)
         l_w = cuda.shared.array((warps, heads), dtype=float32)
         acc_w = cuda.shared.array((warps, heads, head_dim), dtype=float32)
+        q_r = cuda.local.array((heads, E), dtype=float32)  # this lane's components of the queries
         acc = cuda.local.array((heads, E), dtype=float32)  # sum_j p_j v_j, this lane's components
         m = cuda.local.array(heads, dtype=float32)
         l = cuda.local.array(heads, dtype=float32)  # noqa: E741
@@ -344,20 +344,20 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
         prefetch_keys(k_words, v_words, n_kv, kvh, rows)
         wait(ready)
         load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)  # in flight while the queries load
-        for x in range(tid, heads * head_dim, 32 * warps):
-            q_s[x // head_dim, x % head_dim] = q[t, h0 + x // head_dim, x % head_dim]
-        for g in range(heads):
+        for g in range(heads):  # each lane its own components: no barrier before the loop
+            for i in range(per_lane):
+                for e in range(8):
+                    q_r[g, 8 * i + e] = q[t, h0 + g, 8 * (member + team * i) + e]
             for e in range(E):
                 acc[g, e] = float32(0)
             m[g] = float32(-math.inf)
             l[g] = float32(0)
-        cuda.syncthreads()
 
         for k0 in range(lo, hi, step):  # the same steps for every lane (the shuffles need the whole warp)
             if k0 > lo:
                 load_keys(k_words, v_words, n_kv, kvh, rows, k_r, v_r)
             find_rows(page_table, k0 + step + me, hi, rows)  # the next step's rows arrive while this one computes
-            attend(q_s, k0 + me, hi, scale, k_r, v_r, s, m, l, acc)
+            attend(q_r, k0 + me, hi, scale, k_r, v_r, s, m, l, acc)
 
         width = team  # the teams of a warp merge by shuffles, then the warps in shared memory: a fixed order
         while width < 32:
