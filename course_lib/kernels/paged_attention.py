@@ -110,7 +110,8 @@ _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 6  # "SMs" of the simulator here (few blocks, yet a sequence of the tiny model's 4 query heads gets 3 chunks)
 MAX_CHUNKS = 1024  # chunks per query at most
 MERGE_THREADS = sized(256, 32)  # threads of a merge_chunks block at most (a thread per component of a head)
-MERGE_UNROLL = 8  # chunks each merge thread loads at once (their o, m and l; 16 made a longer kernel, no faster)
+MERGE_UNROLL = 8  # chunks each merge thread loads at once (their o, m and l): 16 made a longer kernel, slower at 1k
+# keys and no faster at 4k (data/h200_kernel_notes.md)
 WRITE_THREADS = sized(256, 64)
 
 
@@ -268,8 +269,8 @@ def chunk_block_for(load8, group, head_dim, page_size, heads, unroll, warps=WARP
     def attend(q_r, first, hi, scale, k_r, v_r, s, m, l, acc):  # noqa: E741 (the l of the online softmax)
         """The online softmax over keys first + u teams < hi (k_r, v_r loaded; q_r the lane's components of the
         queries, as load_key's of a key), for each head g of the block: scores s (the team's lanes add their parts by
-        shuffles), m_new = max(m, s), l and acc rescaled by exp(m - m_new),
-        then p = exp(s - m_new) added to l and p v to acc. Keys past hi score -inf and change nothing."""
+        shuffles), m_new = max(m, s), l and acc rescaled by exp(m - m_new), then p = exp(s - m_new) added to l and
+        p v to acc. Keys past hi score -inf and change nothing."""
         for g in range(heads):
             for u in range(unroll):
                 s[u, g] = float32(0)
