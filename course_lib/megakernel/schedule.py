@@ -2,9 +2,9 @@
 
 Each block of the megakernel runs its own queue of instructions, in order; before an instruction it waits until
 every instruction it depends on is counted done (a counter per group of instructions, `counter_tables`, added to
-after a memory fence). A block only ever waits for an instruction that comes earlier in the program, and every
-queue is in program order: the earliest instruction not yet done is never waiting, so the blocks cannot deadlock,
-whatever their speeds.
+with release semantics, read with acquire loads). A block only ever waits for an instruction that comes earlier in
+the program, and every queue is in program order: the earliest instruction not yet done is never waiting, so the
+blocks cannot deadlock, whatever their speeds.
 
 `assign` is a list scheduler: instructions in program order, each to the block that can start it first, from an
 estimate of each instruction's time (`cost`: the bytes it reads at a block's share of the bandwidth, plus a fixed
