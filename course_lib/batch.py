@@ -239,7 +239,7 @@ class NumpyBatch(Runner):
 
 class CudaBatch(Runner):
     """The CUDA backend's fused step (gpu.backend.BATCHED: FUSED, with the logits in tiles of rows and attention's
-    chunks of keys paged_attention.BATCH_CHUNKS long) over several sequences sharing its paged cache: a pass per
+    chunks of keys by paged_attention.BATCH_CHUNKS) over several sequences sharing its paged cache: a pass per
     sequence for its prompt (kernels launched one by one), then each decode step of the running sequences as one
     recorded step plan (gpu.plan.BatchPlan) for the smallest bucket of rows that holds them, replayed as a CUDA graph on
     a GPU: their rows side by side in every matmul, so that each weight read serves them all (every kernel sums a row

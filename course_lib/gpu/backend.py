@@ -51,8 +51,8 @@ OP_CHOICES = {
     # SwiGLU: gate and up matmuls, then silu(gate) * up | one matmul on the interleaved gate/up columns with the
     # product in its epilogue (notebook 05)
     "swiglu": ("separate", "fused"),
-    # flash-decoding: the chunks, then a merge kernel | one kernel, the last chunk of each head to finish merges
-    # (notebook 05)
+    # flash-decoding: the chunks, then a merge kernel | one kernel, the last chunk block of each query and group of
+    # heads to finish merges them (notebook 05)
     "attention": ("two_kernels", "one_kernel"),
     # flash-decoding's chunks of keys: four keys per team and block step, chunks of whole steps, as many as fill the
     # GPU for one sequence | two keys per team and step, chunks of four steps (a batch: its rows fill the GPU, each

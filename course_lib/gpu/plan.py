@@ -13,11 +13,12 @@ recorded once and replayed:
 - every intermediate is a buffer allocated once under a name (as the fields of llama2.c's RunState: `x`, `q`,
   `attn`, `act`, `logits`, and with the unfused kernels `h`, `h_final`, `k`, `v`, `o`, `gate`, `up`, `down`), and
   every split-K matmul and every completion counter has its own scratch (`Runtime.per_site`);
-- the grids are sized for the longest context the plan can reach: flash-decoding launches the chunks of a query at
-  `capacity` keys and always merges them (its merge kernel, or its last blocks in one launch); blocks past the
-  current context return at once;
+- the grids are sized for the longest context the plan can reach: flash-decoding's grid holds the chunks of a query at
+  `capacity` keys; blocks past a query's own chunks return at once, and a query of two chunks or more is merged
+  (by the merge kernel, or by its last blocks in one launch);
 - the step ends with the sampler, which chooses the next tokens on the GPU and writes them into host memory that the
-  GPU writes directly (4 bytes per token cross to the host, not the 4 V bytes of the logits); a sequence's sampler
+  GPU writes directly (StepPlan; BatchPlan copies them back into pinned memory): 4 bytes per token cross to the host,
+  not the 4 V bytes of the logits; a sequence's sampler
   also writes the chosen token's embedding row into `x`, so that its next step starts with the first layer.
 
 `run()` launches the recorded list (the arguments flattened once); `capture(steps)` records `steps` steps into a CUDA

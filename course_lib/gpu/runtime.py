@@ -102,12 +102,13 @@ class Runtime:
     programmatically: it may start while the kernel before it ends (see kernels/overlap.py); other kernels are
     launched as usual.
 
-    With reuse=True, device arrays are recycled from one pass to the next, as PyTorch's caching allocator does:
-    the i-th `empty` (or `to_device`) of a pass gets the array the i-th call of the previous pass got, when shape
-    and dtype match; otherwise a new array replaces it. A decode step then allocates nothing once the first step
-    has run, and the pool holds one array per call of a pass: passes of changing shapes (prompts of growing
-    length) replace arrays rather than pile them up. Call `begin_pass` at the start of every pass; arrays from a
-    pass are valid until the next pass."""
+    With reuse=True, device arrays are recycled from one pass to the next, as PyTorch's caching allocator does: an
+    `empty` with a name gets the array of that name (one buffer of the pass), and the i-th unnamed `empty` (or
+    `to_device`) of a pass the array the i-th unnamed call of the previous pass got, when shape and dtype match;
+    otherwise a new array replaces it. A decode step then allocates nothing once the first step has run, and the
+    pool holds one array per name or unnamed call of a pass: passes of changing shapes (prompts of growing length)
+    replace arrays rather than pile them up. Call `begin_pass` at the start of every pass; arrays from a pass are
+    valid until the next pass."""
 
     def __init__(self, fast: bool = True, reuse: bool = False, overlap: bool = False):
         self.fast = fast and not SIMULATOR

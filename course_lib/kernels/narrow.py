@@ -105,7 +105,7 @@ VEC = 8  # elements per lane and 16-byte load group
 TEAM = 8  # lanes per row of b in the vector transposed kernel
 MIN_SLICE = 64  # no K-slice shorter than this
 BLOCKS_PER_SM = sized(1, 2)  # split_k's target: one block of 16 warps per SM leaves half the slices to add of
-# two blocks of 8 (the simulator's 2 SMs need 2 to split small K)
+# two blocks of 8 (the simulator's 4 SMs need 2 to split small K)
 TILE_THREADS = sized(256, 8)  # threads of a block of the tile kernels (the slices' sums of a batch's rows)
 TILES = ((16, 2), (16, 4), (8, 2), (8, 1), (32, 2), (16, 1), (32, 1)) if not SIMULATOR else ((4, 4), (2, 2), (8, 1))
 # its tiles (TX, TM): TX thread columns of VEC columns, TILE_THREADS / TX thread rows of TM rows; the first whose

@@ -10,8 +10,8 @@ kernel has finished and its writes are visible; since that kernel had itself wai
 earlier kernels have finished too.
 
 So a kernel launched this way is written in three parts:
-1. work on what no kernel of the step writes: here, asking the L2 cache to fetch its first weights
-   (`prefetch_l2`: no register holds them, nothing waits for them);
+1. work on what no kernel of the step writes: asking the L2 cache to fetch its first weights (`prefetch_l2`: no
+   register holds them, nothing waits for them), or loading them into registers (kernels/row_dot);
 2. `wait_for_inputs()`, then `allow_next()` (the next kernel's blocks may take the SMs this kernel's blocks leave);
 3. the kernel's own work, unchanged: the same instructions in the same order, so the same bits.
 

@@ -42,11 +42,12 @@ caller's wait (the megakernel's attention instructions: its counters instead of 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
 (`chunk_unit`), so that the chunks of the longest queries fill the GPU once: at most BLOCKS_PER_SM blocks per SM,
 counting a block per query head and chunk for one sequence (SEQUENCE_CHUNKS), per KV head and chunk for a batch. The
-length depends only on n, the heads, hd and the GPU (never on T), and so does the merge, which counts the query's own
-chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's x is
-the largest count of the pass (from max_len, known on the host); blocks past their query's count return at once.
-A batched generator's passes all take BATCH_CHUNKS instead (flash_attention's `chunks`): longer chunks, its many
-rows filling the GPU without more of them (each chunk past the first costs a merge), and fewer keys per step.
+length depends only on n, the heads, hd and the GPU (never on T), and so does the merge, which counts the query's
+own chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's chunk
+dimension (x; z for flash_decode_rows) is the largest count of the pass (from max_len, known on the host); blocks
+past their query's count return at once. A batched generator's passes all take BATCH_CHUNKS instead
+(flash_attention's `chunks`): longer chunks, its many rows filling the GPU without more of them (each chunk past the
+first costs a merge), and fewer keys per step.
 
 Why these choices (the measurements behind them: notebook 04 and data/h200_kernel_notes.md): small layers are bound
 by fixed costs, not by bandwidth, so each kernel keeps many loads in flight and avoids chains of memory latencies.

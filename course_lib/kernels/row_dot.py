@@ -18,10 +18,11 @@ Why pairs: every epilogue of the decode step needs two outputs at once, so each 
 - `qkv_rope`: the RoPE pair (i, i + hd / 2) of a head (the rows of [Wq | Wk | Wv] reordered at load time,
   `paired_qkv`), rotated, then q stored or k and v written into their row of the paged cache;
 - `gate_up_swiglu`: gate row j and up row j side by side (`paired_gate_up`), out[j] = silu(gate) * up;
-- `project_add`: two neighbouring outputs added into the residual stream (O and down projections).
+- `project` with accumulate=True (kernel `project_rows_add`): two neighbouring outputs added into the residual
+  stream (O and down projections).
 With a norm, the warp computes the row's sum of squares from the same loads and divides the dot product by the row's
 RMS at the end: y = (x * gamma) . w / rms(x). A row's sums do not depend on how many rows the launch has (a block per
-chunk of ROWS rows, grid z), so a token gets the same bits alone, inside a prompt or inside a batch.
+chunk of ROWS rows, grid y), so a token gets the same bits alone, inside a prompt or inside a batch.
 
 Each kernel is a thin wrapper around two device functions of (pair index, buffers): `pair_sums_for(...)`, the dot
 products, and an epilogue (`store_pair_for`, `rope_store_for`, `swiglu_store`), called by lane 0. The megakernel
@@ -47,8 +48,9 @@ from course_lib.kernels.vector import aligned16, f32x8, load16, weight_of_word, 
 VEC = 8  # elements of a group: one 16-byte load of bf16 weights, two of float32
 WARPS = sized(4, 2)  # warps (pairs of outputs) per block: small blocks spread a few hundred warps over every SM
 THREADS = 32 * WARPS
-ROWS = 4  # activation rows a block multiplies at most (grid z: a block per chunk of ROWS rows)
-STEPS_AHEAD = 8  # steps of weights in flight per lane (2 rows x 8 groups of 16 bytes), the first before the wait
+ROWS = 4  # activation rows a block multiplies at most (grid y: a block per chunk of ROWS rows)
+STEPS_AHEAD = 8  # steps of weights in flight per lane (2 rows x 8 weights: 16 bytes of bf16, 32 of float32), the
+# first before the wait
 
 
 # ---- weights rearranged once, at load time (host, NumPy): [K, N] -> rows of outputs [N, K] ----

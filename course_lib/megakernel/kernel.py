@@ -15,15 +15,16 @@ group has a counter, and an instruction waits for whole groups (`schedule.counte
 Epochs make the counters reusable without clearing them: step t of a launch is epoch epoch0 + t + 1, and after E
 steps a counter holds size x E. The first instruction of a step (embed) also waits for the previous step's last
 (sample): everything of step t is an ancestor of its sample, so step t + 1 starts after all of step t. A launch
-runs `steps` steps: the prompt is fed through `feed` (feed[t] >= 0: the token of step t; its logits are then not
-computed), then each step embeds the token the previous one chose. No block waits for an instruction that comes
-later in (step, program order), so the blocks cannot deadlock as long as they all run at once (one per SM). The
+runs `steps` steps: the prompt is fed through `feed` (feed[t] >= 0: the token of step t; the step before it then
+computes no logits), then each step embeds the token the previous one chose. No block waits for an instruction that
+comes later in (step, program order), so the blocks cannot deadlock as long as they all run at once (one per SM). The
 simulator, which runs a kernel's blocks one after another, runs this one's at once (`kernels.blocks_together`: their
 threads interleaved); by default it runs there with one block, whose queue is the program.
 
-The grid-barrier version (`barriers` > 0, the number of phases of `program.phases`) ignores the dependency lists: a
-block passes every grid barrier between the phases before an instruction's (thread 0 adds 1 to the barrier counter,
-the last of `counters`, then waits until every block has), and the barriers left at the end of a step. An
+The grid-barrier version (`barriers` > 0, the number of phases of `program.phases`): a block passes every grid
+barrier between the phases before an instruction's (thread 0 adds 1 to the barrier counter, the last of `counters`,
+then waits until every block has), and the barriers left at the end of a step; the instruction's counters, still
+polled, are complete by then. An
 instruction then waits for the whole phase before it, and every block, busy or not, for every barrier: what the
 counters save is measured against it.
 
@@ -69,7 +70,8 @@ SLICE_COLS = sized(32, 16)  # weight rows of a projection instruction (program.b
 # warp, WARPS pairs a pass
 ATTENTION_UNROLL = 2  # keys per team of lanes and step of an attention instruction: the five step takes 4
 # (paged_attention.SEQUENCE_CHUNKS), whose key and value registers spill under the megakernel's cap of 128 a thread
-PAGE = 16  # the cache's rows as pages of kernels/paged_attention (an identity page table): its chunk_block's unit
+PAGE = 16  # the cache's rows as pages of kernels/paged_attention (an identity page table): its chunk_block's
+# page_size
 MAX_QUEUE = 256  # instructions of one block's queue at most (read into shared memory once)
 POLL_NS = 32  # a waiting thread's pause between two reads of a counter: fewer requests crowding the L2 cache
 WARPS = THREADS // 32
