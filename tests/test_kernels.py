@@ -371,6 +371,49 @@ def test_top_p_keeps_the_prefix_that_reaches_it():
         assert {_sample_on_device(logits, 1.0, None, 0.5, seed, 1) for seed in range(6)} == {0}
 
 
+def _seed_drawing(u_bits: int, position: int) -> int:
+    """A seed below 2^63 (the kernel takes it as an int64) whose uniform(seed, position) is u_bits * 2^-53 exactly:
+    splitmix64's mixer run backwards (each xorshift undone by repeating it, each product by the constant's inverse
+    mod 2^64) from each of the 2^11 hashes that give those 53 bits, until one gives such a seed."""
+    m64 = (1 << 64) - 1
+
+    def unshift(y, s):
+        x = y
+        for _ in range(64 // s + 1):
+            x = y ^ (x >> s)
+        return x
+
+    def unmix(z):
+        z = unshift(z, 31) * pow(sampling._MIX2, -1, 1 << 64) & m64
+        z = unshift(z, 27) * pow(sampling._MIX1, -1, 1 << 64) & m64
+        return unshift(z, 30)
+
+    seed = next(seed for low in range(1 << 11)
+                if (seed := unmix((unmix(u_bits << 11 | low) - position * sampling._GOLDEN) & m64)) < 1 << 63)
+    assert sampling.uniform(seed, position) == u_bits * 2.0**-53
+    return seed
+
+
+def test_draw_on_a_boundary_inside_a_thread(rng):
+    """The draw takes the first token whose running weight exceeds the target: tokens 0 and 1 weigh 2^32 each
+    (logit 0; the others -200, weight 0), and a seed whose uniform is exactly 1/2 gives target 2^32, the first unit of
+    token 1. Both tokens are one thread's (V = 2 THREADS ids, two a thread), so the walk inside a thread decides."""
+    logits = np.full(2 * sampling.THREADS, -200.0, np.float32)
+    logits[:2] = 0
+    seed = _seed_drawing(1 << 52, position=1)
+    assert sampling.sample(logits, 1.0, None, None, seed, 1) == 1
+    assert _sample_on_device(logits, 1.0, None, None, seed, 1) == 1
+
+
+def test_top_p_within_top_k():
+    """top-p applies to the tokens top-k keeps, its total included: logits 0, ln 1/2, -5, -6, -7 with top_k = 2 keep
+    weights 1 and 1/2; top_p = 0.7 of their 1.5 needs both (token 0 alone holds 2/3). A total over the kept tokens
+    without the k-th would need 0.7 of 1 and keep token 0 alone."""
+    logits = np.array([0, np.log(0.5), -5, -6, -7], np.float32)
+    assert {sampling.sample(logits, 1.0, 2, 0.7, seed, 1) for seed in range(20)} == {0, 1}
+    assert {_sample_on_device(logits, 1.0, 2, 0.7, seed, 1) for seed in range(by_mode(20, 12))} == {0, 1}
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="on a GPU the blocks have their full size in every test")
 def test_block_reductions_across_warps_in_the_simulator(rng, monkeypatch):
     """The simulator's sampler and norm blocks are one warp (kernels.sized), so there their reductions across warps
