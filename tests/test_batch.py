@@ -124,6 +124,22 @@ def test_scheduler_admits_by_free_pages_and_gives_them_back(tiny):
     assert cache.free_pages == 4 and scheduler.admit() == seqs[1:]  # 3 + 1 pages
 
 
+def test_scheduler_preempts_the_last_admitted_first(tiny):
+    """Three running sequences, each with its pages full (a prompt of PAGE_SIZE - 1 tokens and the next position
+    reserved), one page free: each needs a new page for its next position, so the last admitted gives its pages back
+    and waits first in line; the two others go on."""
+    cache = PagedKVCache(tiny.config, 4, PAGE_SIZE, host=True)
+    scheduler = Scheduler(cache, max_running=8)
+    seqs = [_prefilled(cache, Sequence(i, [1] * (PAGE_SIZE - 1), 8, (0.0, None, None, 0), frozenset()))
+            for i in range(3)]
+    scheduler.running.extend(seqs)
+    assert cache.free_pages == 1 and scheduler.short_of_pages()
+    assert scheduler.make_room() == seqs[2:]
+    assert scheduler.running == seqs[:2] and list(scheduler.waiting) == seqs[2:]
+    assert seqs[2].kv is None and seqs[2].preemptions == 1 and cache.free_pages == 2
+    assert not scheduler.short_of_pages()
+
+
 def test_a_batch_that_cannot_go_on_is_an_error_not_a_hang(tiny, monkeypatch):
     """If pages were never given back (a bug), a waiting sequence could wait forever with nothing running: the loop
     says so instead."""

@@ -935,6 +935,39 @@ class _RecordingRuntime(_CountingRuntime):
         super().launch(name, kernel, grid, block, *args)
 
 
+def test_matmul_narrow_more_slices_than_a_round_of_loads(rng):
+    """K = 576, N = 72 (16-byte loads): 9 slices of K, more than the UNROLL a last block adds per round of loads, so
+    the slices' sum takes a second round (the tests above make 2 or 3 slices in the simulator)."""
+    a, b, bias, want, tol = linear_case(rng, 1, 576, 72, "bf16", "f32")
+    rt = _RecordingRuntime()
+    got = nw.matmul_narrow(dev(a), dev(b), dev(bias), out=poisoned((1, 72)), rt=rt).copy_to_host()
+    [(slices, _, _)] = set(rt.partials)
+    assert slices > nw.UNROLL
+    check(got, want, tol)
+
+
+@cuda.jit
+def _rows_of_block_probe(done, out):
+    """out[z, x] = (the first completion counter, the first row) that nw.rows_of_block gives block (x, 0, z) of a
+    launch of chunks of KERNEL_ROWS rows."""
+    lo, hi, counters = nw.rows_of_block(out.shape[0] * nw.KERNEL_ROWS, nw.KERNEL_ROWS, done)
+    if cuda.threadIdx.x == 0:
+        out[cuda.blockIdx.z, cuda.blockIdx.x, 0] = counters[cuda.blockIdx.x]
+        out[cuda.blockIdx.z, cuda.blockIdx.x, 1] = lo
+
+
+def test_each_chunk_of_rows_has_its_own_counters():
+    """rows_of_block: in a launch of G column groups, chunk z takes the counters done[z G .. z G + G - 1] and the rows
+    from z KERNEL_ROWS. Chunks sharing counters would race on a GPU (a block elected last before another chunk's
+    slices are written); the simulator, which runs blocks one after another, would not show it in a product."""
+    G, Z = 3, 4
+    out = poisoned((Z, G, 2), np.int32)
+    _rows_of_block_probe[(G, 1, Z), 32](dev(np.arange(G * Z, dtype=np.int32)), out)
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got[..., 0], np.arange(G * Z).reshape(Z, G))
+    np.testing.assert_array_equal(got[..., 1], np.repeat(np.arange(Z)[:, None] * nw.KERNEL_ROWS, G, axis=1))
+
+
 def linear_case(rng, M, K, N, dtype, bias_dtype):
     """a [M, K], weights b [K, N] stored as dtype, bias [N] stored as bias_dtype (or None); the float32 reference
     linear(a, b, bias) and its tolerance: the bias is one more term of each dot product (a 1 times the bias)."""

@@ -44,6 +44,10 @@ def test_rope_is_a_rotation_that_encodes_relative_position(tiny, rng):
     assert dot_at(10, 3) == pytest.approx(dot_at(40, 33), rel=1e-5)  # depends on m - n only
     rotated = reference.rope(q, cos[17:18], sin[17:18])
     assert np.linalg.norm(rotated) == pytest.approx(np.linalg.norm(q), rel=1e-6)
+    e0 = np.zeros_like(q)
+    e0[0, 0, 0] = 1  # component 0 turns toward component hd/2 by +angle (the angle of pair 0 at position 1 is 1)
+    np.testing.assert_array_equal(at(e0, 1)[0, 0, [0, c.head_dim // 2]], [cos[1, 0], sin[1, 0]])
+    assert sin[1, 0] > 0
 
 
 def naive_attention(q, k, v, positions):
