@@ -336,7 +336,7 @@ def test_argmax_random(rng, V):
 def test_argmax_ties_lowest_index(rng, ties):
     logits = randn(rng, 1000)
     logits[ties] = 10.0
-    assert _sample_on_device(logits, position=13) == min(ties)  # position 13: past the page table, slot -1
+    assert _sample_on_device(logits, position=12) == min(ties)  # position 12: the first past the page table, slot -1
 
 
 def test_argmax_nan_and_inf(rng):
@@ -448,6 +448,9 @@ def test_feed_tokens_feeds_each_row_the_token_its_source_chose(rng):
     assert tokens.copy_to_host().tolist() == want.tolist()
     assert (want[sources < 0] == sent[sources < 0]).all() and 0 in want[sources >= 0]
     assert (want[sources >= 0] == np.where(chosen == sampling.NO_TOKEN, 0, chosen)[sources[sources >= 0]]).all()
+    tokens = dev(np.array([7, 8, 9], np.int32))  # source row 0 is a row like any other
+    sampling.feed_tokens[1, 64](tokens, dev(np.array([0, 1, -1], np.int32)), dev(np.array([40, 41], np.int32)))
+    assert tokens.copy_to_host().tolist() == [40, 41, 9]
 
 
 def test_sample_batch_draws_each_rows_token(rng):

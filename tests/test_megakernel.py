@@ -119,8 +119,10 @@ def test_first_difference_names_an_injected_fault(tiny, rng):
         if i == target:
             state.act[twin.program[i].start] *= 1.01
 
-    index, ins, diff = first_difference(twin.program, clean, step(fault), 1e-6)
+    faulted = step(fault)
+    index, ins, diff = first_difference(twin.program, clean, faulted, 1e-6)
     assert index == target and diff > 0 and str(ins).startswith("gate_up(layer 1")
+    assert first_difference(twin.program, clean, faulted, diff / 2)[0] == target  # the tolerance is the one given
 
     def nan_fault(i, state):
         if i == target:

@@ -168,6 +168,7 @@ def test_the_diff_tool_names_the_first_wrong_instruction(tiny):
     mk.w["w_gu"] = cuda.to_device(w_gu.view(np.uint32))
     index, ins, buffer, gap = first_kernel_difference(mk, twin, tokens, tolerance)
     assert (ins.op, ins.layer, ins.start) == ("gate_up", 1, 16) and buffer == "act" and gap > tolerance
+    assert first_kernel_difference(mk, twin, tokens, gap / 2)[:3] == (index, ins, buffer)  # the tolerance given
 
 
 def test_a_capacity_of_part_of_a_page(tiny):
