@@ -266,11 +266,13 @@ def test_flash_decode(rng, n, dtype, H, Hkv, hd):
     check_flash(rng, 1, H, Hkv, hd, n, dtype)
 
 
-@pytest.mark.parametrize("n, target", [(100, 1), (300, 2)])  # one chunk, normalized at once; two, merged
-def test_chunk_block_merges_its_warps(rng, n, target):
+@pytest.mark.parametrize("n, target, far", [(100, 1, False), (300, 2, False), (300, 2, True)])  # one chunk,
+# normalized at once; two, merged; far: warp 1's keys score 120 above warp 0's
+def test_chunk_block_merges_its_warps(rng, n, target, far):
     """The simulator's flash-decoding blocks have one warp (WARPS), so there the warps' merge through shared memory
     has a single term: a block of two warps built from the same body (chunk_block_for, as the megakernel builds its
-    own), each warp's teams given keys of the chunk, against the float64 reference."""
+    own), each warp's teams given keys of the chunk, against the float64 reference. With `far`, the merge must
+    rescale by the larger of the warps' maxima: exp(120) overflows float32."""
     H, Hkv, hd, page, warps, unroll = 3, 1, 16, 4, 2, pa.SEQUENCE_CHUNKS.unroll
     block = pa.chunk_block_for(bf16x8, H // Hkv, hd, page, 1, unroll, warps=warps)
     step = warps * (32 // pa.team_size(hd)) * unroll  # keys of one block step: both warps' teams
@@ -282,6 +284,13 @@ def test_chunk_block_merges_its_warps(rng, n, target):
               unit, scale, out, o_part, m_part, l_part, 0)
 
     q, k, v, page_table, positions, k_log, v_log = paged_case(rng, 1, H, Hkv, hd, n, "bf16", page)
+    if far:  # the keys of warp 1's teams (key j goes to team j % teams of the step) all 30: scores 16 x 30 / 4
+        teams, j = step // unroll, np.arange(n)
+        mine = j % teams >= teams // 2
+        rows = page_table[j // page] * page + j % page
+        q[:] = 1
+        k[rows[mine]] = f32_to_bf16(np.full((mine.sum(), Hkv, hd), 30.0, np.float32))
+        k_log[mine] = 30.0
     length = pa.chunk_len(n, target, step)
     chunks = -(-n // length)
     assert chunks == target
