@@ -394,7 +394,7 @@ def _seed_drawing(u_bits: int, position: int) -> int:
     return seed
 
 
-def test_draw_on_a_boundary_inside_a_thread(rng):
+def test_draw_on_a_boundary_inside_a_thread():
     """The draw takes the first token whose running weight exceeds the target: tokens 0 and 1 weigh 2^32 each
     (logit 0; the others -200, weight 0), and a seed whose uniform is exactly 1/2 gives target 2^32, the first unit of
     token 1. Both tokens are one thread's (V = 2 THREADS ids, two a thread), so the walk inside a thread decides."""

@@ -17,9 +17,9 @@ recorded once and replayed:
   `capacity` keys; blocks past a query's own chunks return at once, and a query of two chunks or more is merged
   (by the merge kernel, or by its last blocks in one launch);
 - the step ends with the sampler, which chooses the next tokens on the GPU and writes them into host memory that the
-  GPU writes directly (StepPlan; BatchPlan copies them back into pinned memory): 4 bytes per token cross to the host,
-  not the 4 V bytes of the logits; a sequence's sampler
-  also writes the chosen token's embedding row into `x`, so that its next step starts with the first layer.
+  GPU writes directly (StepPlan; BatchPlan copies them back into pinned memory): 4 bytes per token cross to the
+  host, not the 4 V bytes of the logits; a sequence's sampler also writes the chosen token's embedding row into `x`,
+  so that its next step starts with the first layer.
 
 `run()` launches the recorded list (the arguments flattened once); `capture(steps)` records `steps` steps into a CUDA
 graph (course_lib.gpu.graphs), replayed by one call. In the simulator there are no graphs: the same plan runs launch

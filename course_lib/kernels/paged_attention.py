@@ -8,24 +8,24 @@ uint16 table: `f32_to_bf16_bits`, the device twin of safetensors_io.f32_to_bf16)
 
 `flash_attention` (flash decoding: split the keys, then merge), two kernels, or one:
 1. `flash_decode_chunks`, grid (chunks, H / heads, T), WARPS warps: a block takes one chunk of the keys of query t
-   for `heads` of the G = H / Hkv query heads that share a KV head: all G, so that each key and value is read
-   once for the group (a batch's rows, BATCH_HEADS), or one (a sequence's queries, SEQUENCE_HEADS: G times the
-   blocks, each key read G times, from the L2 cache after the first; a short context's few blocks were its pace).
-   A head's arithmetic never depends on the other heads of its block: the same bits either way. A key row (hd
-   elements) is read by a team of `team_size(hd)` lanes, each taking 8 adjacent elements per 16-byte load (bf16;
-   two loads for float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every lane issues all the key and
-   value loads of `unroll` keys of its team (Chunks), then the page-table loads of the next step's rows (they arrive
-   while this step computes: a lookup never delays a step's loads), then computes its
-   part of its heads' dot products (each lane holds its own components of the queries), which the team adds by
-   shuffles; each team keeps its own online softmax (running max m, sum l = sum exp(score - m), and the lane's
-   components of acc = sum p v) in registers. No barrier in the loop over keys. At the end the teams of a warp
-   merge by shuffles and the warps through shared memory (m = max, l and acc rescaled by exp(m_part - m), in a
-   fixed order). A query with a single chunk is normalized and written to out; otherwise the block writes its
-   o [hd], m and l per head to scratch [T, H, chunks, hd] and [T, H, chunks]. Launched programmatically, a block
-   looks up its first step's rows and asks the L2 cache for their keys and values before waiting for the kernel
-   before it, so that they come from memory while the QKV projection ends. A prefetch, not a load: ptxas moved
-   the loads issued there past the wait (seen in the kernels' SASS), and a prefetched line is never stale, since
-   the L2 cache is where the projection's writes of the pass's own keys land.
+   for `heads` of the G = H / Hkv query heads that share a KV head: all G, so that each key and value is read once
+   for the group (a batch's rows, BATCH_HEADS), or one (a sequence's queries, SEQUENCE_HEADS: G times the blocks,
+   each key read G times, from the L2 cache after the first: faster at every context length measured). A head's
+   arithmetic never depends on the other heads of its block: the same bits either way. A key row (hd elements) is
+   read by a team of `team_size(hd)` lanes, each taking 8 adjacent elements per 16-byte load (bf16; two loads for
+   float32): hd 64 gives 8 lanes per key, 4 keys per warp. A step: every lane issues all the key and value loads of
+   `unroll` keys of its team (Chunks), then the page-table loads of the next step's rows (they arrive while this
+   step computes: a lookup never delays a step's loads), then computes its part of its heads' dot products (each
+   lane holds its own components of the queries), which the team adds by shuffles; each team keeps its own online
+   softmax (running max m, sum l = sum exp(score - m), and the lane's components of acc = sum p v) in registers. No
+   barrier in the loop over keys. At the end the teams of a warp merge by shuffles and the warps through shared
+   memory (m = max, l and acc rescaled by exp(m_part - m), in a fixed order). A query with a single chunk is
+   normalized and written to out; otherwise the block writes its o [hd], m and l per head to scratch [T, H, chunks,
+   hd] and [T, H, chunks]. Launched programmatically, a block looks up its first step's rows and asks the L2 cache
+   for their keys and values before waiting for the kernel before it, so that they come from memory while the QKV
+   projection ends. A prefetch, not a load: ptxas moved the loads issued there past the wait (seen in the kernels'
+   SASS), and a prefetched line is never stale, since the L2 cache is where the projection's writes of the pass's
+   own keys land.
 2. `merge_chunks`, grid (H, T): out[t, h] = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c, in a
    fixed order (no atomics: the same bits from run to run). A thread per component (h, d) loads o, m and l of
    MERGE_UNROLL chunks at once and merges them online (one memory latency per round, not one per quantity).

@@ -73,8 +73,8 @@ def profile_decode(backend, token: int, queued: bool = False) -> StepProfile:
     Nothing in the step may wait for the GPU (a recycling Runtime uploads asynchronously, from pinned memory; the
     others upload before the step's first launch, so before its first hold), and Python's garbage collector is
     paused while the steps are queued (as timeit does): in a process holding many objects (a notebook that built
-    several engines) one full collection can outlast a hold. A warning says when the
-    kernels still waited on the host: then each interval also holds the host's preparation of that launch."""
+    several engines) one full collection can outlast a hold. A warning says when the kernels still waited on the
+    host: then each interval also holds the host's preparation of that launch."""
     with _collector_paused():
         return _profile_step(backend, token, queued)
 

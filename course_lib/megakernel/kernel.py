@@ -24,9 +24,8 @@ threads interleaved); by default it runs there with one block, whose queue is th
 The grid-barrier version (`barriers` > 0, the number of phases of `program.phases`): a block passes every grid
 barrier between the phases before an instruction's (thread 0 adds 1 to the barrier counter, the last of `counters`,
 then waits until every block has), and the barriers left at the end of a step; the instruction's counters, still
-polled, are complete by then. An
-instruction then waits for the whole phase before it, and every block, busy or not, for every barrier: what the
-counters save is measured against it.
+polled, are complete by then. An instruction then waits for the whole phase before it, and every block, busy or not,
+for every barrier: what the counters save is measured against it.
 
 The projections (qkv, o_proj, gate_up, down, logits) run the bodies of the five-kernel step's projections
 (kernels/row_dot): the weights stored a row per output, a warp per pair of outputs (a RoPE pair of a head, a gate row
