@@ -207,6 +207,13 @@ def flash_tolerance(q, k, v, positions, tiles, c=2.0):
     return (c * (2 * eps + (n + 6) * U32) * vmax)[..., None]
 
 
+def logical_rows(page_table, n, page_size):
+    """The table rows of a sequence's logical keys 0 .. n - 1: key j at page_table[j // page_size] * page_size +
+    j % page_size."""
+    j = np.arange(n)
+    return page_table[j // page_size] * page_size + j % page_size
+
+
 def paged_case(rng, T, H, Hkv, hd, n, dtype, page_size, spare_pages=3):
     """A random sequence of n keys in shuffled pages of a larger table (other rows hold garbage: huge values,
     as another sequence's would be) and T queries at positions n - T .. n - 1.
@@ -215,8 +222,7 @@ def paged_case(rng, T, H, Hkv, hd, n, dtype, page_size, spare_pages=3):
     total = P + spare_pages
     page_table = rng.permutation(total)[:P].astype(np.int32)
     k, v = randn(rng, total * page_size, Hkv, hd), randn(rng, total * page_size, Hkv, hd)
-    j = np.arange(n)
-    rows = page_table[j // page_size] * page_size + j % page_size
+    rows = logical_rows(page_table, n, page_size)
     unused = np.setdiff1d(np.arange(total * page_size), rows)
     k[unused], v[unused] = 1e30, np.nan  # read by mistake, they would show
     if dtype == "bf16":
@@ -285,11 +291,10 @@ def test_chunk_block_merges_its_warps(rng, n, target, far):
 
     q, k, v, page_table, positions, k_log, v_log = paged_case(rng, 1, H, Hkv, hd, n, "bf16", page)
     if far:  # the keys of warp 1's teams (key j goes to team j % teams of the step) all 30: scores 16 x 30 / 4
-        teams, j = step // unroll, np.arange(n)
-        mine = j % teams >= teams // 2
-        rows = page_table[j // page] * page + j % page
+        teams = step // unroll
+        mine = np.arange(n) % teams >= teams // 2
         q[:] = 1
-        k[rows[mine]] = f32_to_bf16(np.full((mine.sum(), Hkv, hd), 30.0, np.float32))
+        k[logical_rows(page_table, n, page)[mine]] = f32_to_bf16(np.full((mine.sum(), Hkv, hd), 30.0, np.float32))
         k_log[mine] = 30.0
     length = pa.chunk_len(n, target, step)
     chunks = -(-n // length)
