@@ -740,3 +740,28 @@ def test_split_epilogues_prose_quotes_its_runs():
     assert tps[64] / tps[1] >= 30 and tps[64] > max(real["peers"].values())
     assert f"on an H100 28.8 once the lanes were paired, {tps[64] / tps[1]:.1f} once the epilogues" in prose(
         "07", "## What is not done yet")
+
+
+def test_in_graph_costs_prose_quotes_its_run():
+    """Notebook 06, what each kernel costs inside the graph (data/weights_ahead_marginal_h100.json): the empty launches,
+    a layer's work, the sampler against a layer's projections, and the weights asked for ahead."""
+    rec = recorded("weights_ahead_marginal_h100.json")
+    costs, ab = rec["marginal_costs"], rec["weights_ahead_ab"]
+    c = costs["per_launch_us"]
+    text = prose("06", "With nothing in them, the")
+    per_launch = costs["every_kernel_emptied_us"] / costs["kernels_per_step"]
+    layer = sum(c[k]["emptied"] for k in ("qkv_rope_rows", "flash_decode", "gate_up_swiglu_rows")) + 2 * c[
+        "project_rows_add"]["emptied"]
+    projections = c["qkv_rope_rows"]["removed"] + c["gate_up_swiglu_rows"]["removed"] + 2 * c["project_rows_add"][
+        "removed"]
+    for figure in (f"the {costs['kernels_per_step']} launches cost {per_launch:.1f} µs each",
+                   f"{costs['every_kernel_emptied_us']:.0f} µs of the step's {costs['step_us']:.0f}",
+                   f"about {layer:.0f} µs of work", f"takes {c['sample_next']['emptied']:.0f} µs",
+                   f"({projections:.1f} µs, removed)", f"it takes {c['sample_next']['doubled']:.0f} µs"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+    assert c["sample_next"]["emptied"] > projections
+    for context in ("64", "1000"):  # the weights asked for ahead: about 1% slower at both lengths
+        base, new = ([run["rows"][context]["tokens_per_s"] for run in ab["runs"] if run["tree"] == tree]
+                     for tree in ("base", "new"))
+        assert -1.5 < 100 * (sum(new) / sum(base) - 1) < -0.5
+    assert "got 1% slower" in text
