@@ -765,3 +765,8 @@ def test_in_graph_costs_prose_quotes_its_run():
                      for tree in ("base", "new"))
         assert -1.5 < 100 * (sum(new) / sum(base) - 1) < -0.5
     assert "got 1% slower" in text
+    readme = readme_results("06")
+    for figure in (f"{per_launch:.1f} µs a launch with nothing in it", f"about {layer:.0f} µs of work a layer",
+                   f"the logits {c['matmul_transposed_vec']['removed']:.0f} µs",
+                   f"the one-block sampler {c['sample_next']['emptied']:.0f} µs of the {costs['step_us']:.0f} µs step"):
+        assert figure in readme, f"the README does not quote {figure!r}"
