@@ -760,10 +760,8 @@ def test_in_graph_costs_prose_quotes_its_run():
                    f"({projections:.1f} µs, removed)", f"it takes {c['sample_next']['doubled']:.0f} µs"):
         assert figure in text, f"notebook 06 does not quote {figure!r}"
     assert c["sample_next"]["emptied"] > projections
-    for context in ("64", "1000"):  # the weights asked for ahead: about 1% slower at both lengths
-        base, new = ([run["rows"][context]["tokens_per_s"] for run in ab["runs"] if run["tree"] == tree]
-                     for tree in ("base", "new"))
-        assert -1.5 < 100 * (sum(new) / sum(base) - 1) < -0.5
+    assert all(-1.5 < ab["summary"][context]["gain"] < -0.5 for context in ("64", "1000"))  # the weights asked
+    # for ahead: about 1% slower at both lengths (the gains tools/ab_recipes.py computed and saved with its runs)
     assert "got 1% slower" in text
     readme = readme_results("06")
     for figure in (f"{per_launch:.1f} µs a launch with nothing in it", f"about {layer:.0f} µs of work a layer",
