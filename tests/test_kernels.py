@@ -316,8 +316,13 @@ def _sample_on_device(logits, temperature=0.0, top_k=None, top_p=None, seed=0, p
     table = dev(np.array([5, 2, 7], np.int32))
     bits = np.random.default_rng([V, position, seed]).integers(0, 0x7F80, (V, d), dtype=np.uint16)  # finite bf16
     embed = dev(bits | np.uint16(0x8000) * (bits & 1))  # both signs
-    sampling.sample_next(embed)[1, sampling.THREADS](dev(logits), cuda.device_array(V, np.uint64), settings,
-                                                     top_k_seed, token, pos, slot, table, 4, history, embed, x)
+    slices = sampling.SLICES
+    parts = poisoned(slices), poisoned(slices, np.int32), poisoned(slices, np.int32)  # each block's best, its NaN
+    counters = dev(np.zeros(1, np.int32))
+    sampling.sample_next(embed)[slices, sampling.THREADS](dev(logits), cuda.device_array(V, np.uint64), settings,
+                                                          top_k_seed, token, pos, slot, table, 4, history, embed, x,
+                                                          *parts, counters)
+    assert counters.copy_to_host()[0] == 0, "the last block leaves its counter at zero for the next launch"
     tok = int(token.copy_to_host()[0])
     assert pos.copy_to_host()[0] == position and history.copy_to_host()[position] == tok
     want_slot = table.copy_to_host()[position // 4] * 4 + position % 4 if position < 12 else -1
@@ -332,11 +337,21 @@ def test_argmax_random(rng, V):
     assert _sample_on_device(logits) == int(np.argmax(logits))
 
 
-@pytest.mark.parametrize("ties", [[900, 261, 517, 5], [256, 33]])  # same thread; warp 0 vs warp 1
+@pytest.mark.parametrize("ties", [[900, 261, 517, 5], [256, 33], [999, 998], [600, 999]])  # same thread; warp 0 vs
+# warp 1; within the last slice of sample_next's blocks; the last block's slice and another's (SLICES >= 2 slices)
 def test_argmax_ties_lowest_index(rng, ties):
     logits = randn(rng, 1000)
     logits[ties] = 10.0
     assert _sample_on_device(logits, position=12) == min(ties)  # position 12: the first past the page table, slot -1
+
+
+@pytest.mark.parametrize("where", [0, 499, 500, 999])  # the first and the last logit of the slices (two or more)
+def test_argmax_at_the_edges_of_the_slices(rng, where):
+    logits = randn(rng, 1000)
+    logits[where] = 10.0
+    assert _sample_on_device(logits) == where
+    logits[where] = np.nan  # a NaN in any one slice: no token
+    assert _sample_on_device(logits) == sampling.NO_TOKEN
 
 
 def test_argmax_nan_and_inf(rng):
@@ -755,7 +770,7 @@ jobs = [
     ("add_flat", elementwise.add_flat, f"void({F1}, {F1}, {F1})"),
     ("attention_two_pass", attention.attention_two_pass, f"void({F3}, {F3}, {F3}, {I1}, float32, {F3})"),
     ("sample_next", sampling.sample_next(np.zeros(1, np.uint16)), f"void({F1}, uint64[::1], float64[::1], "
-     f"int64[::1], {I1}, {I1}, {I1}, {I1}, int64, {I1}, uint16[:, ::1], {F2})"),
+     f"int64[::1], {I1}, {I1}, {I1}, {I1}, int64, {I1}, uint16[:, ::1], {F2}, {F1}, {I1}, {I1}, {I1})"),
     ("feed_tokens", sampling.feed_tokens, f"void({I1}, {I1}, {I1})"),
     ("sample_rows", sampling.sample_rows, f"void({F2}, uint64[:, ::1], float64[:, ::1], int64[:, ::1], {I1}, {I1})"),
     ("copy_grid_stride", copy.copy_grid_stride, f"void({F1}, {F1})"),

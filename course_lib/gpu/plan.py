@@ -155,10 +155,12 @@ class StepPlan(Recorded):
     def _sample(self, logits, rt):
         """Queue the sampler on logits [1, V]: the token after `position`, the step's inputs advanced, and the
         token's embedding row written into `x`, where the next step's first layer reads it."""
-        table = self.backend.w["embed"]
-        launch(k_sampling.sample_next(table), 1, k_sampling.THREADS, 0, rt, reshaped(logits, logits.shape[1]),
+        table, slices = self.backend.w["embed"], k_sampling.SLICES
+        launch(k_sampling.sample_next(table), slices, k_sampling.THREADS, 0, rt, reshaped(logits, logits.shape[1]),
                self.weights, self.temperature_top_p, self.top_k_seed, self.token, self.position, self.slot,
-               self.page_table, self.backend.cache.page_size, self.history, table, self.x)
+               self.page_table, self.backend.cache.page_size, self.history, table, self.x,
+               rt.empty(slices, np.float32, name="slice_best"), rt.empty(slices, np.int32, name="slice_best_id"),
+               rt.empty(slices, np.int32, name="slice_nan"), rt.counters(1))
 
     # ---- the host's side ----
 

@@ -1,7 +1,8 @@
 """Choosing the next token on the GPU: greedy argmax, or seeded temperature / top-k / top-p sampling, in one block.
 
-The decode step ends here, so that the host never needs the 4 * V bytes of logits: `sample_next` writes the chosen
-id's embedding row into the residual stream where the next step's first layer reads it (the embedding needs no
+The decode step ends here, so that the host never needs the 4 * V bytes of logits: `sample_next` (SLICES blocks find
+the largest logit of a slice each; the last of them to finish reduces theirs and draws) writes the chosen id's
+embedding row into the residual stream where the next step's first layer reads it (the embedding needs no
 kernel of its own), advances the position and the cache slot, and records the id in a history the host reads (4
 bytes per token). `sample_rows` samples the rows of a batch, one block per row, each with
 its own settings and position (`sample_batch` on the host): T ids come back instead of T x V logits.
@@ -25,11 +26,13 @@ import math
 import numpy as np
 from numba import float32, float64, int32, int64, uint32, uint64
 
-from course_lib.kernels import SIMULATOR, cuda, empty, for_weight_dtypes, launch, pick, sized
+from course_lib.kernels import SIMULATOR, cuda, empty, for_weight_dtypes, last_to_arrive, launch, pick, sized
 from course_lib.kernels.elementwise import FULL_MASK, segment_sum
 from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
 
 THREADS = sized(512, 32)  # one block; a multiple of 32 (1024 threads: too few registers each for the radix select)
+SLICES = sized(32, 2)  # blocks of sample_next: each finds the largest logit of a slice, the last to finish goes on
+# (one block reading all 49,152 of SmolLM2's logits took 17 us of the H100's 467 us decode step)
 UNROLL = 16  # loads in flight per thread in the pass that finds the largest logit (a memory latency a round)
 RADIX = 256  # bins of a radix-select round (8 bits of a key)
 NO_TOKEN = -1
@@ -140,23 +143,28 @@ def warp_best(v, i, nan):
 
 
 @cuda.jit(device=True)
-def block_best(logits, best_v, best_i, any_nan):
-    """(largest logit, its lowest index, any NaN) over the block, in every thread: one pass, UNROLL loads in flight
-    per thread. best_v, best_i, any_nan: shared [32] float32, int32, int32."""
+def block_best(logits, lo, hi, best_v, best_i, any_nan):
+    """(largest of logits[lo:hi], its lowest index, any NaN) over the block, in every thread: one pass, UNROLL loads in
+    flight per thread (-inf and no index for an empty slice). best_v, best_i, any_nan: shared [32] float32, int32,
+    int32."""
     xs = cuda.local.array(UNROLL, dtype=float32)
-    tid, V = cuda.threadIdx.x, logits.shape[0]
-    lane, warp = tid % 32, tid // 32
     v, i, nan = float32(-math.inf), int32(_NONE), int32(0)
-    j = tid
-    while j + (UNROLL - 1) * THREADS < V:
-        for u in range(UNROLL):  # all the loads issued before the first is used
-            xs[u] = logits[j + u * THREADS]
+    j = lo + cuda.threadIdx.x
+    while j < hi:  # rounds of UNROLL logits a thread, all the loads issued before the first is used
         for u in range(UNROLL):
-            v, i, nan = visit(xs[u], j + u * THREADS, v, i, nan)
+            xs[u] = logits[j + u * THREADS] if j + u * THREADS < hi else float32(0)
+        for u in range(UNROLL):
+            if j + u * THREADS < hi:
+                v, i, nan = visit(xs[u], j + u * THREADS, v, i, nan)
         j += UNROLL * THREADS
-    while j < V:
-        v, i, nan = visit(logits[j], j, v, i, nan)
-        j += THREADS
+    return block_best_of(v, i, nan, best_v, best_i, any_nan)
+
+
+@cuda.jit(device=True)
+def block_best_of(v, i, nan, best_v, best_i, any_nan):
+    """(best value, lowest index of it, any NaN) over the threads' own (v, i, nan), in every thread: by warps, then
+    across them through best_v, best_i, any_nan (shared [32] float32, int32, int32)."""
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
     v, i, nan = warp_best(v, i, nan)
     if lane == 0:
         best_v[warp], best_i[warp], any_nan[warp] = v, i, nan
@@ -247,16 +255,22 @@ def choose(logits, weights, temperature, top_p, top_k, seed, position):
     """The token at `position` drawn from logits [V] float32 by the rule at the top (NO_TOKEN on a NaN), returned
     to every thread of the block (one block of THREADS; all its threads call). weights: scratch uint64 [V];
     top_p >= 1: off; top_k <= 0 or >= V: off."""
-    f_scratch = cuda.shared.array(32, dtype=float32)
+    f_scratch = cuda.shared.array(32, dtype=float32)  # (one line each: the simulator tells shared arrays apart by
+    i_scratch = cuda.shared.array(32, dtype=int32)  # the line that declares them)
+    n_scratch = cuda.shared.array(32, dtype=int32)
+    m, best, nan = block_best(logits, 0, logits.shape[0], f_scratch, i_scratch, n_scratch)
+    return draw(logits, weights, temperature, top_p, top_k, seed, position, m, best, nan)
+
+
+@cuda.jit(device=True)
+def draw(logits, weights, temperature, top_p, top_k, seed, position, m, best, nan):
+    """`choose` once the largest logit m, its lowest index `best` and whether any logit is a NaN are known (every
+    thread of the block holds them): the greedy token, or the draw."""
     i_scratch = cuda.shared.array(32, dtype=int64)
-    best_i = cuda.shared.array(32, dtype=int32)
-    any_nan = cuda.shared.array(32, dtype=int32)
     choice = cuda.shared.array(1, dtype=int32)
     hist = cuda.shared.array(RADIX, dtype=int64)
     state = cuda.shared.array(2, dtype=int64)
     tid, V = cuda.threadIdx.x, logits.shape[0]
-
-    m, best, nan = block_best(logits, f_scratch, best_i, any_nan)
     if tid == 0:
         choice[0] = NO_TOKEN
         if nan == 0 and temperature == 0:  # greedy: the lowest id of the largest logit
@@ -301,8 +315,11 @@ def _make_sample_next(to_f32):
     @waits_for_inputs
     @cuda.jit
     def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
-                    history, table, x):
-        """Choose the token after position[0] from logits [V] float32 (`choose`), then feed the next step:
+                    history, table, x, part_v, part_i, part_nan, counters):
+        """Choose the token after position[0] from logits [V] float32 (`choose`: block b of the B = gridDim.x finds
+        the largest logit of the slice [b ceil(V / B), (b + 1) ceil(V / B)) and writes it to part_v, part_i and
+        part_nan [B] (float32, int32, int32); the last block to finish (counters[0], zero before the launch and
+        after it) reduces the B of them, then draws), then feed the next step:
         history[p + 1] = token[0] = the choice, position[0] = p + 1, slot[0] = its cache row (-1 past the page
         table), and x[0] = table[choice] (its embedding row, as embedding_rows writes it: the next step starts at
         its first layer, no embedding kernel; token 0's row for NO_TOKEN, whose step is never read).
@@ -310,10 +327,25 @@ def _make_sample_next(to_f32):
         weights: scratch uint64 [V]; temperature_top_p float64 [2] (top_p >= 1: off); top_k_seed int64 [2] (top_k
         <= 0 or >= V: off); page_table [P] int32, page_size; history int32 [>= p + 2]; table [V, d] float32 or bf16
         bits (to_f32 reads it), x [1, d] float32 (written after the wait: every reader of x, the final norm or the
-        logits' kernel, has ended). One block of THREADS."""
+        logits' kernel, has ended). Grid B <= THREADS (SLICES), blocks of THREADS."""
         inputs_ready()
+        f_scratch = cuda.shared.array(32, dtype=float32)
+        i_scratch = cuda.shared.array(32, dtype=int32)
+        n_scratch = cuda.shared.array(32, dtype=int32)
+        V, b, blocks, tid = logits.shape[0], cuda.blockIdx.x, cuda.gridDim.x, cuda.threadIdx.x
+        per = (V + blocks - 1) // blocks
+        v, i, nan = block_best(logits, min(b * per, V), min(b * per + per, V), f_scratch, i_scratch, n_scratch)
+        if tid == 0:
+            part_v[b], part_i[b], part_nan[b] = v, i, nan
+        if not last_to_arrive(counters, 0, blocks):
+            return
+        v, i, nan = float32(-math.inf), int32(_NONE), int32(0)
+        if tid < blocks:  # one slice's best a thread: indices increase with b, as visit's order asks
+            v, i, nan = part_v[tid], part_i[tid], part_nan[tid]
+        m, best, nan = block_best_of(v, i, nan, f_scratch, i_scratch, n_scratch)
         p = position[0]
-        tok = choose(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1)
+        tok = draw(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1,
+                   m, best, nan)
         row = max(tok, 0)
         for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
             x[0, j] = to_f32(table[row, j])
