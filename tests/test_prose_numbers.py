@@ -768,3 +768,21 @@ def test_in_graph_costs_prose_quotes_its_run():
                    f"the logits {c['matmul_transposed_vec']['removed']:.0f} µs",
                    f"the one-block sampler {c['sample_next']['emptied']:.0f} µs of the {costs['step_us']:.0f} µs step"):
         assert figure in readme, f"the README does not quote {figure!r}"
+
+
+def test_sampler_slices_prose_quotes_its_run():
+    """Notebook 06, the sampler in slices (data/sampler_slices_h100.json): the A/B gains tools/ab_recipes.py saved,
+    and what the sampler still costs inside the graph."""
+    rec = recorded("sampler_slices_h100.json")
+    gains, c = rec["ab"]["summary"], rec["marginal_costs"]["per_launch_us"]["sample_next"]
+    step_us = {tree: 1e3 * sum(r["rows"]["64"]["gpu_ms_per_token"] for r in rec["ab"]["runs"] if r["tree"] == tree) / 2
+               for tree in ("base", "new")}
+    text = prose("06", "A gain, but a small one")
+    for figure in (f"{gains['64']['gain']:.1f}% at 64 positions", f"{gains['1000']['gain']:.0f}% at 1,000",
+                   f"about {step_us['base'] - step_us['new']:.0f} µs of the step", f"still takes {c['removed']:.0f} µs",
+                   f"still costs {c['doubled']:.1f} µs"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+    readme = readme_results("06")
+    for figure in (f"+{gains['64']['gain']:.1f}% at 64", f"+{gains['1000']['gain']:.1f}% at 1,000",
+                   f"it still takes {c['removed']:.0f} µs"):
+        assert figure in readme, f"the README does not quote {figure!r}"
