@@ -148,3 +148,42 @@ def test_the_ab_tool_averages_each_tree_and_refuses_bad_input(monkeypatch, capsy
     record = json.loads(saved.read_text())
     assert [r["tree"] for r in record["runs"]] == ["base", "new", "base", "new"]
     assert record["summary"]["64"]["gain"] == pytest.approx(5.0)
+
+
+def test_the_in_graph_costs_tool_refuses_bad_input_and_computes_each_kernels_cost(monkeypatch, capsys):
+    """tools/in_graph_costs.py: an unknown recipe, one without a step graph, a prompt length below 1 or no GPU are
+    each a clear error before any model is built; each kernel's cost per launch is the change of the step's time with
+    its launches doubled, removed or emptied, divided by their count (here with a step whose time is known)."""
+    import importlib.util
+    from pathlib import Path
+
+    import course_lib.device
+
+    spec = importlib.util.spec_from_file_location(
+        "in_graph_costs", Path(__file__).resolve().parents[1] / "tools" / "in_graph_costs.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for argv, message in ((["--recipe", "nope"], "unknown recipe"), (["--recipe", "plan"], "replays no step graph"),
+                          (["--context", "0"], "positive prompt length")):
+        with pytest.raises(SystemExit) as stop:
+            tool.main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr(course_lib.device, "gpu_available", lambda: False)
+    assert tool.main([]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
+
+    cost = {"qkv": 2.0, "logits": 5.0, "empty": 0.5}  # µs of a launch; the step's fixed part: 10 µs
+
+    class Plan:
+        recorded = [(name, name, 1, 32, ()) for name in ("qkv", "logits", "qkv")]
+        names = [name for name, *_ in recorded]
+
+        class rt:
+            @staticmethod
+            def prepared(kernel, grid, block, args):
+                return kernel if isinstance(kernel, str) else "empty"  # the tool's own empty kernel
+
+    monkeypatch.setattr(tool, "time_step", lambda plan, launches, context: 10 + sum(cost[go] for go in launches))
+    out = tool.kernel_costs(Plan(), 64)
+    assert out["step_us"] == out["step_us_again"] == 19 and out["every_kernel_emptied_us"] == 11.5
+    assert out["per_launch_us"]["qkv"] == {"count": 2, "doubled": 2.0, "removed": 2.0, "emptied": 1.5}
+    assert out["per_launch_us"]["logits"] == {"count": 1, "doubled": 5.0, "removed": 5.0, "emptied": 4.5}

@@ -757,7 +757,8 @@ def test_in_graph_costs_prose_quotes_its_run():
     for figure in (f"the {costs['kernels_per_step']} launches cost {per_launch:.1f} µs each",
                    f"{costs['every_kernel_emptied_us']:.0f} µs of the step's {costs['step_us']:.0f}",
                    f"about {layer:.0f} µs of work", f"takes {c['sample_next']['emptied']:.0f} µs",
-                   f"({projections:.1f} µs, removed)", f"it takes {c['sample_next']['doubled']:.0f} µs"):
+                   f"({projections:.1f} µs, removed)",
+                   f"a second copy of it costs {c['sample_next']['doubled']:.0f} µs"):
         assert figure in text, f"notebook 06 does not quote {figure!r}"
     assert c["sample_next"]["emptied"] > projections
     assert all(-1.5 < ab["summary"][context]["gain"] < -0.5 for context in ("64", "1000"))  # the weights asked
@@ -785,4 +786,21 @@ def test_sampler_slices_prose_quotes_its_run():
     readme = readme_results("06")
     for figure in (f"+{gains['64']['gain']:.1f}% at 64", f"+{gains['1000']['gain']:.1f}% at 1,000",
                    f"it still takes {c['removed']:.0f} µs"):
+        assert figure in readme, f"the README does not quote {figure!r}"
+
+
+def test_sampler_probe_prose_quotes_its_run():
+    """Notebook 06, what the sampler's cost is made of (data/sampler_probe_h200.json): the largest saving of a variant,
+    the step, and the ids copied once a replay."""
+    rec = recorded("sampler_probe_h200.json")
+    median, ab = rec["sampler_variants"]["median"], rec["history_once_a_replay_ab"]["summary"]
+    saved = {variant: median["shipped"] - us for variant, us in median.items() if variant != "shipped"}
+    text = prose("06", "No variant saves more than")
+    for figure in (f"more than {max(saved.values()):.1f} µs of the {median['shipped']:.0f} µs step",
+                   f"{ab['64']['gain']:.1f}% faster at 64 positions", f"{-ab['1000']['gain']:.1f}% slower at 1,000"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+    assert max(saved.values()) == saved["history_on_device"] and min(saved.values()) > -0.5  # no variant slower
+    readme = readme_results("06")
+    for figure in (f"at most {max(saved.values()):.1f} µs of the {median['shipped']:.0f} µs step",
+                   f"{ab['64']['base']:,.0f} tokens/s at 64 positions"):
         assert figure in readme, f"the README does not quote {figure!r}"

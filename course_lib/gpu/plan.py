@@ -52,10 +52,10 @@ class Recorded:
 
     def __init__(self, rt: Runtime, body):
         self.rt = rt
-        recorded = rt.record(body, scratch_per_site=True)
-        self.names = [name for name, *_ in recorded]
-        self._arguments = [args for *_, args in recorded]  # the arrays the flattened launches point at, kept alive
-        self._launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in recorded]
+        # [(name, kernel, grid, block, args)]: a step's launches (the arrays the flattened ones point at, kept alive)
+        self.recorded = rt.record(body, scratch_per_site=True)
+        self.names = [name for name, *_ in self.recorded]
+        self._launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in self.recorded]
         self._graphs = {}
 
     @property

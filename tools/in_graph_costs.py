@@ -1,0 +1,162 @@
+"""What each kernel of a recipe's decode step costs inside its CUDA graph, on the GPU.
+
+    python tools/in_graph_costs.py [--recipe five] [--context 64] [--model random:SmolLM2-135M-Instruct]
+                                   [--sampler] [--save FILE.json]
+
+Notebook 06's profile times each kernel between two events, one launch at a time. Inside the graph the kernels
+overlap, and what a kernel costs is what the step loses with it. So the step's graph is timed as recorded; with
+every launch of one kernel doubled, removed, or replaced by an empty kernel of the same grid that only waits for the
+kernel before it; and with every kernel emptied at once. A timing: a graph of STEPS steps, queued behind a kernel
+that holds the GPU (so that the host's launch is not timed), the median of REPEATS replays, per step; the position
+restarts at --context before each. Each kernel's cost is printed in µs per launch.
+
+--sampler times variants of the step's last kernel, the sampler, instead, taking turns for ROUNDS rounds: as
+recorded; with the token history in device memory instead of mapped host memory (a plan of its own); given only
+the first SLICES logits, one per block (no pass over the logits); given one logit in one block (no pass and no
+counter). A variant changes what the sampler reads, not the step around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+STEPS, REPEATS, ROUNDS = 4, 9, 3
+
+
+def time_step(plan, launches, context: int) -> float:
+    """GPU µs per step of `launches` (callables, one step's launches in order) replayed as a graph of STEPS steps."""
+    from course_lib.gpu.graphs import Graph
+    from course_lib.kernels import copy as k_copy
+    from course_lib.kernels import cuda
+
+    plan.stage(context, STEPS * (REPEATS + 2) * 2, 0.0, None, None, 0)
+    stream = plan.rt.stream
+    graph = Graph(lambda: [go() for _ in range(STEPS) for go in launches], stream)
+    graph.launch(stream)  # once untimed: the first replay uploads the graph
+    stream.synchronize()
+    per_step = []
+    for _ in range(REPEATS):
+        start, end = cuda.event(), cuda.event()
+        k_copy.hold[1, 1, stream](3000)
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        per_step.append(1e3 * cuda.event_elapsed_time(start, end) / STEPS)
+    return float(np.median(per_step))
+
+
+def kernel_costs(plan, context: int) -> dict:
+    """{"step_us", "every_kernel_emptied_us", "step_us_again", "kernels_per_step", "per_launch_us": {name: {"count",
+    "doubled", "removed", "emptied"}}}: each kernel's µs per launch (doubled: what the step gains, removed and
+    emptied: what it loses)."""
+    from course_lib.kernels import cuda
+    from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
+
+    @waits_for_inputs
+    @cuda.jit
+    def nothing(stub):
+        inputs_ready()
+
+    rt, names = plan.rt, plan.names
+    launches = [rt.prepared(kernel, grid, block, args) for _, kernel, grid, block, args in plan.recorded]
+    stub = cuda.device_array(1, np.float32)
+    empties = [rt.prepared(nothing, grid, block, (stub,)) for _, _, grid, block, _ in plan.recorded]
+    step = time_step(plan, launches, context)
+    out = {"kernels_per_step": len(names), "step_us": step,
+           "every_kernel_emptied_us": time_step(plan, empties, context), "per_launch_us": {}}
+    print(f"the step: {step:.1f} us; every kernel emptied: {out['every_kernel_emptied_us']:.1f} us", flush=True)
+    for name in dict.fromkeys(names):
+        count = names.count(name)
+        doubled = [g for n, go in zip(names, launches, strict=True) for g in ((go, go) if n == name else (go,))]
+        removed = [go for n, go in zip(names, launches, strict=True) if n != name]
+        emptied = [e if n == name else go for n, go, e in zip(names, launches, empties, strict=True)]
+        row = {"count": count, "doubled": (time_step(plan, doubled, context) - step) / count,
+               "removed": (step - time_step(plan, removed, context)) / count,
+               "emptied": (step - time_step(plan, emptied, context)) / count}
+        out["per_launch_us"][name] = row
+        print(f"{name:28s} x{count:3d}  us a launch: doubled {row['doubled']:+6.2f}, removed {-row['removed']:+6.2f}, "
+              f"emptied {-row['emptied']:+6.2f}", flush=True)
+    out["step_us_again"] = time_step(plan, launches, context)
+    return out
+
+
+def sampler_variants(engine, context: int) -> dict:
+    """{"runs": {variant: [µs per step, a round each]}, "median": {variant: µs}} of the step with its sampler as
+    recorded ("shipped"), with the history in device memory ("history_on_device"), on SLICES logits ("no_pass"),
+    and on one logit in one block ("no_pass_no_counter")."""
+    from course_lib.gpu import plan as plan_module
+    from course_lib.kernels import cuda, sampling
+
+    plan = engine.plan
+    name, kernel, grid, block, args = plan.recorded[-1]
+    if name != "sample_next":
+        raise SystemExit(f"error: the step of recipe {engine.recipe.name!r} does not end with sample_next")
+    mapped = plan_module.cuda.mapped_array
+    plan_module.cuda.mapped_array = lambda shape, dtype: cuda.to_device(np.zeros(shape, dtype))
+    try:
+        on_device = plan_module.StepPlan(engine.backend, overlap=engine.recipe.overlap)
+    finally:
+        plan_module.cuda.mapped_array = mapped
+    rt, logits, rest = plan.rt, args[0], tuple(args[1:])
+    shipped = [rt.prepared(k, g, b, a) for _, k, g, b, a in plan.recorded]
+    variants = {
+        "shipped": (plan, shipped),
+        "history_on_device": (on_device, [on_device.rt.prepared(k, g, b, a) for _, k, g, b, a in on_device.recorded]),
+        "no_pass": (plan, shipped[:-1] + [rt.prepared(kernel, sampling.SLICES, block, (logits[:sampling.SLICES],)
+                                                      + rest)]),
+        "no_pass_no_counter": (plan, shipped[:-1] + [rt.prepared(kernel, 1, block, (logits[:1],) + rest)])}
+    runs = {label: [] for label in variants}
+    for _ in range(ROUNDS):
+        for label, (p, launches) in variants.items():
+            runs[label].append(time_step(p, launches, context))
+            print(f"{label:20s} {runs[label][-1]:.1f} us a step", flush=True)
+    return {"runs": runs, "median": {label: float(np.median(v)) for label, v in runs.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default="five", help="a recipe with a step plan (default five, the default)")
+    parser.add_argument("--context", type=int, default=64, help="prompt length the steps start after (default 64)")
+    parser.add_argument("--model", default="random:SmolLM2-135M-Instruct", help="as for bench (default random "
+                        "weights of SmolLM2-135M-Instruct's shapes)")
+    parser.add_argument("--sampler", action="store_true", help="time the sampler's variants instead")
+    parser.add_argument("--save", metavar="FILE.json", help="keep the numbers")
+    args = parser.parse_args(argv)
+    if args.context < 1:
+        parser.error("--context is a positive prompt length")
+    from course_lib.device import gpu_available
+    from course_lib.recipes import get_recipe
+
+    try:
+        recipe = get_recipe(args.recipe)
+    except ValueError as error:
+        parser.error(str(error))
+    if recipe.replay != "graph":
+        parser.error(f"recipe {args.recipe!r} replays no step graph (replay {recipe.replay!r})")
+
+    if not gpu_available():
+        print("error: in-graph costs are GPU times: no CUDA GPU here", file=sys.stderr)
+        return 2
+    from course_lib.__main__ import _bench_model
+    from course_lib.engine import Engine
+    from course_lib.measure import bench
+
+    model = _bench_model(args.model)
+    engine = Engine(model, "cuda", recipe=args.recipe, capacity=args.context + 2 * STEPS * (REPEATS + 2) + 1)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, args.context).tolist()
+    engine.generate(ids, max_new_tokens=8, stop=False)  # compiles, records the plan
+    costs = sampler_variants(engine, args.context) if args.sampler else kernel_costs(engine.plan, args.context)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"gpu": bench.gpu_name(), "recipe": args.recipe, "model": args.model, "context": args.context,
+                       "steps_a_replay": STEPS, "replays": REPEATS} | costs, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
