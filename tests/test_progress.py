@@ -1,15 +1,27 @@
 """The recurring figure of the notebooks (course_lib.measure.progress), on the recorded bench run in data/; and the
-tools that make those runs (tools/record_notebooks.py, tools/ab_recipes.py)."""
+tools that make those runs (tools/record_notebooks.py, tools/ab_recipes.py, tools/in_graph_costs.py)."""
 
+import importlib.util
 import json
 import os
+from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pytest
 
 from course_lib.measure import progress
 
 matplotlib.use("Agg")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    """The module tools/<name>.py (the tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_each_notebook_adds_its_recipes():
@@ -58,16 +70,10 @@ def test_results_are_recorded_only_in_the_recording_run(tmp_path, monkeypatch):
 def test_the_recording_tool_refuses_what_it_cannot_record(monkeypatch, capsys):
     """tools/record_notebooks.py: an unknown notebook number is a clear error before anything runs; without a GPU, or
     on a GPU other than the H200 whose numbers the records and the prose quote, it records nothing and says why."""
-    import importlib.util
-    from pathlib import Path
-
     import course_lib.device
     import course_lib.measure.bench
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "record_notebooks.py"
-    spec = importlib.util.spec_from_file_location("record_notebooks", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("record_notebooks")
     assert tool.ORDER[0] == "06" and sorted(tool.ORDER) == [f"0{i}" for i in range(1, 8)]
     assert all(tool.notebook(n).name.startswith(n) for n in tool.ORDER)
     with pytest.raises(SystemExit, match="no single notebook 09_"):
@@ -84,15 +90,9 @@ def test_the_ab_tool_averages_each_tree_and_refuses_bad_input(monkeypatch, capsy
     """tools/ab_recipes.py: the summary is each tree's mean tokens/s and NEW's gain at every context both trees ran;
     a directory without course_lib, a single tree, bad prompt lengths or no GPU are each a clear error before any
     run."""
-    import importlib.util
-    from pathlib import Path
-
     import course_lib.device
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("ab_recipes", root / "tools" / "ab_recipes.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    root, tool = ROOT, load_tool("ab_recipes")
 
     def run(name, **tokens_per_s):
         rows = {c: {"tokens_per_s": t, "gpu_ms_per_token": 1.0} for c, t in tokens_per_s.items()}
@@ -154,15 +154,9 @@ def test_the_in_graph_costs_tool_refuses_bad_input_and_computes_each_kernels_cos
     """tools/in_graph_costs.py: an unknown recipe, one without a step graph, a prompt length below 1 or no GPU are
     each a clear error before any model is built; each kernel's cost per launch is the change of the step's time with
     its launches doubled, removed or emptied, divided by their count (here with a step whose time is known)."""
-    import importlib.util
-    from pathlib import Path
-
     import course_lib.device
 
-    spec = importlib.util.spec_from_file_location(
-        "in_graph_costs", Path(__file__).resolve().parents[1] / "tools" / "in_graph_costs.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("in_graph_costs")
     for argv, message in ((["--recipe", "nope"], "unknown recipe"), (["--recipe", "plan"], "replays no step graph"),
                           (["--context", "0"], "positive prompt length")):
         with pytest.raises(SystemExit) as stop:
@@ -187,3 +181,29 @@ def test_the_in_graph_costs_tool_refuses_bad_input_and_computes_each_kernels_cos
     assert out["step_us"] == out["step_us_again"] == 19 and out["every_kernel_emptied_us"] == 11.5
     assert out["per_launch_us"]["qkv"] == {"count": 2, "doubled": 2.0, "removed": 2.0, "emptied": 1.5}
     assert out["per_launch_us"]["logits"] == {"count": 1, "doubled": 5.0, "removed": 5.0, "emptied": 4.5}
+
+
+@pytest.mark.parametrize("feeds_x,advances", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_in_graph_costs_tools_sampler_stand_ins_write_what_they_say(feeds_x, advances):
+    """tools/in_graph_costs.py --sampler's stand-ins for sample_next: x = token 0's embedding row when feeds_x, the
+    token, position, slot and history of token 0 when advances, and nothing else (every output poisoned first)."""
+    from checks import dev, poison, poisoned
+
+    from course_lib.kernels import bf16_weight
+    from course_lib.kernels import cuda as kcuda
+
+    tool = load_tool("in_graph_costs")
+    rng = np.random.default_rng(7)
+    table = rng.integers(0, 0x7F80, (5, 40), dtype=np.uint16)  # finite bf16 bits
+    token, position, slot = poisoned(1, np.int32), dev(np.array([6], np.int32)), poisoned(1, np.int32)
+    history, x, page_table = poisoned(9, np.int32), poisoned((1, 40)), dev(np.array([3, 1], np.int32))
+    scratch = poisoned(2)
+    tool.stand_in(feeds_x, advances, bf16_weight)[1, 32](
+        poisoned(5), kcuda.device_array(5, np.uint64), scratch, scratch, token, position, slot, page_table, 4,
+        history, dev(table), x, scratch, scratch, scratch, scratch)
+    row0 = (table[0].astype(np.uint32) << 16).view(np.float32)
+    got_x = x.copy_to_host()[0]
+    assert np.array_equal(got_x, row0) if feeds_x else np.isnan(got_x).all()
+    want = (0, 7, 1 * 4 + 3, 0) if advances else (poison(np.int32), 6, poison(np.int32), poison(np.int32))
+    assert (token.copy_to_host()[0], position.copy_to_host()[0], slot.copy_to_host()[0],
+            history.copy_to_host()[7]) == want  # position 7: page 1 (physical page 1), row 3

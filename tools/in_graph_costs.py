@@ -13,7 +13,9 @@ restarts at --context before each. Each kernel's cost is printed in µs per laun
 --sampler times variants of the step's last kernel, the sampler, instead, taking turns for ROUNDS rounds: as
 recorded; with the token history in device memory instead of mapped host memory (a plan of its own); given only
 the first SLICES logits, one per block (no pass over the logits); given one logit in one block (no pass and no
-counter). A variant changes what the sampler reads, not the step around it.
+counter). These change what the sampler reads, not the step around it. Then stand-ins that choose token 0 without
+reading a logit, in one block, and write only some of what the sampler writes: nothing (emptied: the steps are no
+longer fed), the next step's x alone, its position (with token, slot and history) alone, or both.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import sys
 
 import numpy as np
 
+from course_lib.kernels import cuda  # a module global: the simulator gives kernels its own `cuda` through them
+from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
+
 STEPS, REPEATS, ROUNDS = 4, 9, 3
 
 
@@ -31,7 +36,6 @@ def time_step(plan, launches, context: int) -> float:
     """GPU µs per step of `launches` (callables, one step's launches in order) replayed as a graph of STEPS steps."""
     from course_lib.gpu.graphs import Graph
     from course_lib.kernels import copy as k_copy
-    from course_lib.kernels import cuda
 
     plan.stage(context, STEPS * (REPEATS + 2) * 2, 0.0, None, None, 0)
     stream = plan.rt.stream
@@ -54,9 +58,6 @@ def kernel_costs(plan, context: int) -> dict:
     """{"step_us", "every_kernel_emptied_us", "step_us_again", "kernels_per_step", "per_launch_us": {name: {"count",
     "doubled", "removed", "emptied"}}}: each kernel's µs per launch (doubled: what the step gains, removed and
     emptied: what it loses)."""
-    from course_lib.kernels import cuda
-    from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
-
     @waits_for_inputs
     @cuda.jit
     def nothing(stub):
@@ -85,12 +86,36 @@ def kernel_costs(plan, context: int) -> dict:
     return out
 
 
+def stand_in(feeds_x: bool, advances: bool, to_f32):
+    """A kernel with sample_next's arguments that chooses token 0 without reading a logit and writes x = token 0's
+    embedding row (feeds_x; to_f32 reads the table) and the token, position, slot and history (advances), as
+    sample_next does. One block."""
+    @waits_for_inputs
+    @cuda.jit
+    def sample_next_stand_in(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table,
+                             page_size, history, table, x, part_v, part_i, part_nan, counters):
+        inputs_ready()
+        if feeds_x:
+            for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+                x[0, j] = to_f32(table[0, j])
+        if advances and cuda.threadIdx.x == 0:
+            nxt = position[0] + 1
+            history[nxt] = 0
+            token[0] = 0
+            position[0] = nxt
+            slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size \
+                if nxt < page_table.shape[0] * page_size else -1
+
+    return sample_next_stand_in
+
+
 def sampler_variants(engine, context: int) -> dict:
     """{"runs": {variant: [µs per step, a round each]}, "median": {variant: µs}} of the step with its sampler as
     recorded ("shipped"), with the history in device memory ("history_on_device"), on SLICES logits ("no_pass"),
-    and on one logit in one block ("no_pass_no_counter")."""
+    on one logit in one block ("no_pass_no_counter"), and replaced by stand-ins that write nothing ("emptied"),
+    x alone ("feeds_x_only"), the position alone ("advances_only") or both ("feeds_and_advances")."""
     from course_lib.gpu import plan as plan_module
-    from course_lib.kernels import cuda, sampling
+    from course_lib.kernels import WEIGHT_READERS, sampling
 
     plan = engine.plan
     name, kernel, grid, block, args = plan.recorded[-1]
@@ -110,6 +135,10 @@ def sampler_variants(engine, context: int) -> dict:
         "no_pass": (plan, shipped[:-1] + [rt.prepared(kernel, sampling.SLICES, block, (logits[:sampling.SLICES],)
                                                       + rest)]),
         "no_pass_no_counter": (plan, shipped[:-1] + [rt.prepared(kernel, 1, block, (logits[:1],) + rest)])}
+    to_f32 = WEIGHT_READERS[np.dtype(args[10].dtype)]  # the embedding table's reader
+    for label, feeds_x, advances in (("emptied", False, False), ("feeds_x_only", True, False),
+                                     ("advances_only", False, True), ("feeds_and_advances", True, True)):
+        variants[label] = (plan, shipped[:-1] + [rt.prepared(stand_in(feeds_x, advances, to_f32), 1, block, args)])
     runs = {label: [] for label in variants}
     for _ in range(ROUNDS):
         for label, (p, launches) in variants.items():
