@@ -189,8 +189,8 @@ def test_the_in_graph_costs_tools_sampler_stand_ins_write_what_they_say(feeds_x,
     token, position, slot and history of token 0 when advances, and nothing else (every output poisoned first)."""
     from checks import dev, poison, poisoned
 
-    from course_lib.kernels import bf16_weight
     from course_lib.kernels import cuda as kcuda
+    from course_lib.kernels import sampling
 
     tool = load_tool("in_graph_costs")
     rng = np.random.default_rng(7)
@@ -198,7 +198,7 @@ def test_the_in_graph_costs_tools_sampler_stand_ins_write_what_they_say(feeds_x,
     token, position, slot = poisoned(1, np.int32), dev(np.array([6], np.int32)), poisoned(1, np.int32)
     history, x, page_table = poisoned(9, np.int32), poisoned((1, 40)), dev(np.array([3, 1], np.int32))
     scratch = poisoned(2)
-    tool.stand_in(feeds_x, advances, bf16_weight)[1, 32](
+    tool.stand_in(feeds_x, advances, sampling.embed_into(table))[1, 32](
         poisoned(5), kcuda.device_array(5, np.uint64), scratch, scratch, token, position, slot, page_table, 4,
         history, dev(table), x, scratch, scratch, scratch, scratch)
     row0 = (table[0].astype(np.uint32) << 16).view(np.float32)

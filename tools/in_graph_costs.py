@@ -11,7 +11,7 @@ that holds the GPU (so that the host's launch is not timed), the median of REPEA
 restarts at --context before each. Each kernel's cost is printed in µs per launch.
 
 --sampler times variants of the step's last kernel, the sampler, instead, taking turns for ROUNDS rounds: as
-recorded; with the token history in device memory instead of mapped host memory (a plan of its own); given only
+recorded; with the token history in device memory instead of mapped host memory; given only
 the first SLICES logits, one per block (no pass over the logits); given one logit in one block (no pass and no
 counter). These change what the sampler reads, not the step around it. Then stand-ins that choose token 0 without
 reading a logit, in one block, and write only some of what the sampler writes: nothing (emptied: the steps are no
@@ -86,25 +86,21 @@ def kernel_costs(plan, context: int) -> dict:
     return out
 
 
-def stand_in(feeds_x: bool, advances: bool, to_f32):
-    """A kernel with sample_next's arguments that chooses token 0 without reading a logit and writes x = token 0's
-    embedding row (feeds_x; to_f32 reads the table) and the token, position, slot and history (advances), as
-    sample_next does. One block."""
+def stand_in(feeds_x: bool, advances: bool, embed_into):
+    """A kernel with sample_next's arguments that chooses token 0 without reading a logit and writes, as sample_next
+    does, x = token 0's embedding row (feeds_x; embed_into: kernels.sampling's, for the table's dtype) and the token,
+    position, slot and history (advances). One block."""
+    from course_lib.kernels.sampling import advance
+
     @waits_for_inputs
     @cuda.jit
     def sample_next_stand_in(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table,
                              page_size, history, table, x, part_v, part_i, part_nan, counters):
         inputs_ready()
         if feeds_x:
-            for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-                x[0, j] = to_f32(table[0, j])
-        if advances and cuda.threadIdx.x == 0:
-            nxt = position[0] + 1
-            history[nxt] = 0
-            token[0] = 0
-            position[0] = nxt
-            slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size \
-                if nxt < page_table.shape[0] * page_size else -1
+            embed_into(table, 0, x)
+        if advances:
+            advance(0, position[0], token, position, slot, page_table, page_size, history)
 
     return sample_next_stand_in
 
@@ -114,35 +110,30 @@ def sampler_variants(engine, context: int) -> dict:
     recorded ("shipped"), with the history in device memory ("history_on_device"), on SLICES logits ("no_pass"),
     on one logit in one block ("no_pass_no_counter"), and replaced by stand-ins that write nothing ("emptied"),
     x alone ("feeds_x_only"), the position alone ("advances_only") or both ("feeds_and_advances")."""
-    from course_lib.gpu import plan as plan_module
-    from course_lib.kernels import WEIGHT_READERS, sampling
+    from course_lib.kernels import sampling
 
     plan = engine.plan
     name, kernel, grid, block, args = plan.recorded[-1]
     if name != "sample_next":
         raise SystemExit(f"error: the step of recipe {engine.recipe.name!r} does not end with sample_next")
-    mapped = plan_module.cuda.mapped_array
-    plan_module.cuda.mapped_array = lambda shape, dtype: cuda.to_device(np.zeros(shape, dtype))
-    try:
-        on_device = plan_module.StepPlan(engine.backend, overlap=engine.recipe.overlap)
-    finally:
-        plan_module.cuda.mapped_array = mapped
-    rt, logits, rest = plan.rt, args[0], tuple(args[1:])
+    rt, logits, rest, (history, table) = plan.rt, args[0], tuple(args[1:]), args[9:11]
     shipped = [rt.prepared(k, g, b, a) for _, k, g, b, a in plan.recorded]
-    variants = {
-        "shipped": (plan, shipped),
-        "history_on_device": (on_device, [on_device.rt.prepared(k, g, b, a) for _, k, g, b, a in on_device.recorded]),
-        "no_pass": (plan, shipped[:-1] + [rt.prepared(kernel, sampling.SLICES, block, (logits[:sampling.SLICES],)
-                                                      + rest)]),
-        "no_pass_no_counter": (plan, shipped[:-1] + [rt.prepared(kernel, 1, block, (logits[:1],) + rest)])}
-    to_f32 = WEIGHT_READERS[np.dtype(args[10].dtype)]  # the embedding table's reader
+
+    def last(*launch):
+        return shipped[:-1] + [rt.prepared(*launch)]
+
+    in_device_memory = cuda.device_array(history.shape, history.dtype)  # the sampler alone reads and writes history
+    variants = {"shipped": shipped,
+                "history_on_device": last(kernel, grid, block, args[:9] + (in_device_memory,) + args[10:]),
+                "no_pass": last(kernel, sampling.SLICES, block, (logits[:sampling.SLICES],) + rest),
+                "no_pass_no_counter": last(kernel, 1, block, (logits[:1],) + rest)}
     for label, feeds_x, advances in (("emptied", False, False), ("feeds_x_only", True, False),
                                      ("advances_only", False, True), ("feeds_and_advances", True, True)):
-        variants[label] = (plan, shipped[:-1] + [rt.prepared(stand_in(feeds_x, advances, to_f32), 1, block, args)])
+        variants[label] = last(stand_in(feeds_x, advances, sampling.embed_into(table)), 1, block, args)
     runs = {label: [] for label in variants}
     for _ in range(ROUNDS):
-        for label, (p, launches) in variants.items():
-            runs[label].append(time_step(p, launches, context))
+        for label, launches in variants.items():
+            runs[label].append(time_step(plan, launches, context))
             print(f"{label:20s} {runs[label][-1]:.1f} us a step", flush=True)
     return {"runs": runs, "median": {label: float(np.median(v)) for label, v in runs.items()}}
 

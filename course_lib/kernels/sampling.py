@@ -311,7 +311,40 @@ def draw(logits, weights, temperature, top_p, top_k, seed, position, m, best, na
     return choice[0]
 
 
+def _make_embed_into(to_f32):
+    @cuda.jit(device=True)
+    def embed_into(table, row, x):
+        """x[0] = table[row] in float32 (to_f32 reads the table), by the block's threads."""
+        for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            x[0, j] = to_f32(table[row, j])
+
+    return embed_into
+
+
+_EMBED_INTO = for_weight_dtypes(_make_embed_into)
+
+
+def embed_into(table):
+    """The device function embed_into(table, row, x) for an embedding table of table's dtype."""
+    return pick(_EMBED_INTO, table)
+
+
+@cuda.jit(device=True)
+def advance(tok, p, token, position, slot, page_table, page_size, history):
+    """The next step's inputs after choosing `tok` for position p + 1, written by thread 0: history[p + 1] = token[0]
+    = tok, position[0] = p + 1, slot[0] = its cache row (-1 past the page table)."""
+    if cuda.threadIdx.x == 0:
+        nxt = p + 1
+        history[nxt] = tok
+        token[0] = tok
+        position[0] = nxt
+        slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size \
+            if nxt < page_table.shape[0] * page_size else -1
+
+
 def _make_sample_next(to_f32):
+    embed_into = _make_embed_into(to_f32)
+
     @waits_for_inputs
     @cuda.jit
     def sample_next(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table, page_size,
@@ -346,16 +379,8 @@ def _make_sample_next(to_f32):
         p = position[0]
         tok = draw(logits, weights, temperature_top_p[0], temperature_top_p[1], top_k_seed[0], top_k_seed[1], p + 1,
                    m, best, nan)
-        row = max(tok, 0)
-        for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-            x[0, j] = to_f32(table[row, j])
-        if cuda.threadIdx.x == 0:
-            nxt = p + 1
-            history[nxt] = tok
-            token[0] = tok
-            position[0] = nxt
-            slot[0] = page_table[nxt // page_size] * page_size + nxt % page_size \
-                if nxt < page_table.shape[0] * page_size else -1
+        embed_into(table, max(tok, 0), x)
+        advance(tok, p, token, position, slot, page_table, page_size, history)
 
     return sample_next
 
