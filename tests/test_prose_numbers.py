@@ -805,3 +805,20 @@ def test_sampler_probe_prose_quotes_its_run():
     for figure in (f"at most {max(saved.values()):.1f} µs of the {median['shipped']:.0f} µs step",
                    f"{ab['64']['base']:,.0f} tokens/s at 64 positions"):
         assert figure in readme, f"the README does not quote {figure!r}"
+
+
+def test_sampler_stand_ins_prose_quotes_their_run():
+    """Notebook 06, stand-ins that feed the next step (data/sampler_standins_h100.json): what feeding costs, what the
+    sampler on one logit costs beyond the stand-in that writes the same, and the doubled sampler's cost."""
+    median = recorded("sampler_standins_h100.json")["median"]
+    feeding = median["feeds_and_advances"] - median["emptied"]
+    beyond = median["no_pass_no_counter"] - median["feeds_and_advances"]
+    doubled = recorded("sampler_slices_h100.json")["marginal_costs"]["per_launch_us"]["sample_next"]["doubled"]
+    assert 0 <= feeding <= 0.5 and beyond > 10  # the claims themselves: feeding is cheap, the code is not
+    text = prose("06", "Feeding the next step costs almost nothing")
+    for figure in ("within 0.5 µs", f"it costs {beyond:.1f} µs more", f"costs only {doubled:.1f} µs"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+    readme = readme_results("06")
+    for figure in (f"{median['emptied']:.1f} to {median['feeds_and_advances']:.1f} µs",
+                   f"{median['no_pass_no_counter']:.1f} µs"):
+        assert figure in readme, f"the README does not quote {figure!r}"
