@@ -207,3 +207,36 @@ def test_the_in_graph_costs_tools_sampler_stand_ins_write_what_they_say(feeds_x,
     want = (0, 7, 1 * 4 + 3, 0) if advances else (poison(np.int32), 6, poison(np.int32), poison(np.int32))
     assert (token.copy_to_host()[0], position.copy_to_host()[0], slot.copy_to_host()[0],
             history.copy_to_host()[7]) == want  # position 7: page 1 (physical page 1), row 3
+
+
+@pytest.mark.parametrize("before", ["settings", "counter", "greedy"])
+def test_the_in_graph_costs_tools_working_stand_ins_do_what_they_say(before):
+    """tools/in_graph_costs.py --sampler's stand-ins that do one part of the sampler's work before feeding the next
+    step: read its settings into part_v[0] and part_i[0], count on counters[0] (back to 0 after), or choose the
+    greedy token of the logits given (the lowest index of the largest), as sample_next does without its draw."""
+    from checks import dev, poisoned
+
+    from course_lib.kernels import sampling
+
+    tool = load_tool("in_graph_costs")
+    with pytest.raises(ValueError, match="before 'draw'"):
+        tool.stand_in(True, True, sampling.embed_into(np.zeros((1, 8), np.uint16)), "draw")
+    rng = np.random.default_rng(11)
+    table = rng.integers(0, 0x7F80, (5, 40), dtype=np.uint16)  # finite bf16 bits
+    logits = np.array([1.0, 3.0, 3.0, -2.0, 0.0], np.float32)  # a tie: the lowest index, 1, is greedy's choice
+    token, position, slot = poisoned(1, np.int32), dev(np.array([6], np.int32)), poisoned(1, np.int32)
+    history, x, page_table = poisoned(9, np.int32), poisoned((1, 40)), dev(np.array([3, 1], np.int32))
+    part_v, part_i, part_nan = poisoned(1), poisoned(1, np.int32), poisoned(1, np.int32)
+    counters = dev(np.zeros(1, np.int32))
+    tool.stand_in(True, True, sampling.embed_into(table), before)[1, 32](
+        dev(logits), dev(np.zeros(5, np.uint64)), dev(np.array([0.5, 0.25])), dev(np.array([40, 2], np.int64)), token,
+        position, slot, page_table, 4, history, dev(table), x, part_v, part_i, part_nan, counters)
+    chosen = 1 if before == "greedy" else 0
+    assert np.array_equal(x.copy_to_host()[0], (table[chosen].astype(np.uint32) << 16).view(np.float32))
+    assert (token.copy_to_host()[0], position.copy_to_host()[0], slot.copy_to_host()[0],
+            history.copy_to_host()[7]) == (chosen, 7, 1 * 4 + 3, chosen)
+    assert counters.copy_to_host()[0] == 0
+    if before == "settings":
+        assert (part_v.copy_to_host()[0], part_i.copy_to_host()[0]) == (0.75, 42)
+    if before == "greedy":
+        assert (part_v.copy_to_host()[0], part_i.copy_to_host()[0], part_nan.copy_to_host()[0]) == (3.0, 1, 0)

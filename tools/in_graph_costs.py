@@ -15,7 +15,9 @@ recorded; with the token history in device memory instead of mapped host memory;
 the first SLICES logits, one per block (no pass over the logits); given one logit in one block (no pass and no
 counter). These change what the sampler reads, not the step around it. Then stand-ins that choose token 0 without
 reading a logit, in one block, and write only some of what the sampler writes: nothing (emptied: the steps are no
-longer fed), the next step's x alone, its position (with token, slot and history) alone, or both.
+longer fed), the next step's x alone, its position (with token, slot and history) alone, or both. Then three that
+write both and first do one part of the sampler's work: read its settings, count on its counter, or find the
+greedy token of one logit as it does (the slice's best, the counter, the best of the slices) without its draw.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import sys
 
 import numpy as np
+from numba import float32, int32
 
 from course_lib.kernels import cuda  # a module global: the simulator gives kernels its own `cuda` through them
 from course_lib.kernels.overlap import inputs_ready, waits_for_inputs
@@ -86,21 +89,45 @@ def kernel_costs(plan, context: int) -> dict:
     return out
 
 
-def stand_in(feeds_x: bool, advances: bool, embed_into):
-    """A kernel with sample_next's arguments that chooses token 0 without reading a logit and writes, as sample_next
-    does, x = token 0's embedding row (feeds_x; embed_into: kernels.sampling's, for the table's dtype) and the token,
-    position, slot and history (advances). One block."""
-    from course_lib.kernels.sampling import advance
+def stand_in(feeds_x: bool, advances: bool, embed_into, before: str = "nothing"):
+    """A kernel with sample_next's arguments that writes, as sample_next does, x = the chosen token's embedding row
+    (feeds_x; embed_into: kernels.sampling's, for the table's dtype) and the token, position, slot and history
+    (advances). One block. It chooses token 0 after doing `before`: "nothing"; "settings": read the sampler's four
+    settings (part_v[0] = temperature + top_p, part_i[0] = the low 16 bits of top_k + seed: the reads are made);
+    "counter": count on counters[0] (fence, atomic add, reset); or, "greedy", it chooses as sample_next does
+    without its draw: the largest of the logits it is given and its lowest index, written to part_*[0], counted,
+    then reduced again as the last block does."""
+    from course_lib.kernels import last_to_arrive
+    from course_lib.kernels.sampling import advance, block_best, block_best_of
+
+    if before not in ("nothing", "settings", "counter", "greedy"):
+        raise ValueError(f"stand_in: before {before!r}")
+    settings, counter, greedy = before == "settings", before == "counter", before == "greedy"
 
     @waits_for_inputs
     @cuda.jit
     def sample_next_stand_in(logits, weights, temperature_top_p, top_k_seed, token, position, slot, page_table,
                              page_size, history, table, x, part_v, part_i, part_nan, counters):
         inputs_ready()
+        f_scratch = cuda.shared.array(32, dtype=float32)
+        i_scratch = cuda.shared.array(32, dtype=int32)
+        n_scratch = cuda.shared.array(32, dtype=int32)
+        tok = 0
+        if settings and cuda.threadIdx.x == 0:
+            part_v[0] = float32(temperature_top_p[0] + temperature_top_p[1])
+            part_i[0] = int32((top_k_seed[0] + top_k_seed[1]) & 0xFFFF)
+        if greedy:
+            v, i, nan = block_best(logits, 0, logits.shape[0], f_scratch, i_scratch, n_scratch)
+            if cuda.threadIdx.x == 0:
+                part_v[0], part_i[0], part_nan[0] = v, i, nan
+        if counter or greedy:
+            last_to_arrive(counters, 0, 1)  # one block: always the last
+        if greedy:
+            tok = block_best_of(part_v[0], part_i[0], part_nan[0], f_scratch, i_scratch, n_scratch)[1]
         if feeds_x:
-            embed_into(table, 0, x)
+            embed_into(table, tok, x)
         if advances:
-            advance(0, position[0], token, position, slot, page_table, page_size, history)
+            advance(tok, position[0], token, position, slot, page_table, page_size, history)
 
     return sample_next_stand_in
 
@@ -109,7 +136,9 @@ def sampler_variants(engine, context: int) -> dict:
     """{"runs": {variant: [µs per step, a round each]}, "median": {variant: µs}} of the step with its sampler as
     recorded ("shipped"), with the history in device memory ("history_on_device"), on SLICES logits ("no_pass"),
     on one logit in one block ("no_pass_no_counter"), and replaced by stand-ins that write nothing ("emptied"),
-    x alone ("feeds_x_only"), the position alone ("advances_only") or both ("feeds_and_advances")."""
+    x alone ("feeds_x_only"), the position alone ("advances_only") or both ("feeds_and_advances"), and by stand-ins
+    that write both after reading the settings ("reads_settings"), counting ("counts"), or finding the greedy token
+    of one logit as sample_next does, without its draw ("greedy_without_draw")."""
     from course_lib.kernels import sampling
 
     plan = engine.plan
@@ -130,6 +159,9 @@ def sampler_variants(engine, context: int) -> dict:
     for label, feeds_x, advances in (("emptied", False, False), ("feeds_x_only", True, False),
                                      ("advances_only", False, True), ("feeds_and_advances", True, True)):
         variants[label] = last(stand_in(feeds_x, advances, sampling.embed_into(table)), 1, block, args)
+    for label, before in (("reads_settings", "settings"), ("counts", "counter"), ("greedy_without_draw", "greedy")):
+        variants[label] = last(stand_in(True, True, sampling.embed_into(table), before), 1, block,
+                               (logits[:1],) + rest)
     runs = {label: [] for label in variants}
     for _ in range(ROUNDS):
         for label, launches in variants.items():
