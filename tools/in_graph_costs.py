@@ -38,23 +38,14 @@ STEPS, REPEATS, ROUNDS = 4, 9, 3
 def time_step(plan, launches, context: int) -> float:
     """GPU µs per step of `launches` (callables, one step's launches in order) replayed as a graph of STEPS steps."""
     from course_lib.gpu.graphs import Graph
-    from course_lib.kernels import copy as k_copy
+    from course_lib.measure.bench import held_ms
 
     plan.stage(context, STEPS * (REPEATS + 2) * 2, 0.0, None, None, 0)
     stream = plan.rt.stream
     graph = Graph(lambda: [go() for _ in range(STEPS) for go in launches], stream)
     graph.launch(stream)  # once untimed: the first replay uploads the graph
     stream.synchronize()
-    per_step = []
-    for _ in range(REPEATS):
-        start, end = cuda.event(), cuda.event()
-        k_copy.hold[1, 1, stream](3000)
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        per_step.append(1e3 * cuda.event_elapsed_time(start, end) / STEPS)
-    return float(np.median(per_step))
+    return 1e3 * held_ms(lambda: graph.launch(stream), stream, 3000, REPEATS) / STEPS
 
 
 def kernel_costs(plan, context: int) -> dict:
@@ -156,12 +147,12 @@ def sampler_variants(engine, context: int) -> dict:
                 "history_on_device": last(kernel, grid, block, args[:9] + (in_device_memory,) + args[10:]),
                 "no_pass": last(kernel, sampling.SLICES, block, (logits[:sampling.SLICES],) + rest),
                 "no_pass_no_counter": last(kernel, 1, block, (logits[:1],) + rest)}
+    embed_into = sampling.embed_into(table)
     for label, feeds_x, advances in (("emptied", False, False), ("feeds_x_only", True, False),
                                      ("advances_only", False, True), ("feeds_and_advances", True, True)):
-        variants[label] = last(stand_in(feeds_x, advances, sampling.embed_into(table)), 1, block, args)
+        variants[label] = last(stand_in(feeds_x, advances, embed_into), 1, block, args)
     for label, before in (("reads_settings", "settings"), ("counts", "counter"), ("greedy_without_draw", "greedy")):
-        variants[label] = last(stand_in(True, True, sampling.embed_into(table), before), 1, block,
-                               (logits[:1],) + rest)
+        variants[label] = last(stand_in(True, True, embed_into, before), 1, block, (logits[:1],) + rest)
     runs = {label: [] for label in variants}
     for _ in range(ROUNDS):
         for label, launches in variants.items():

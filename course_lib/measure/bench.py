@@ -421,20 +421,19 @@ def _plan_step_costs(plan, graph: bool, position: int, repeats: int = 5) -> tupl
     return held_step_ms(plan, graph, int(3e6 * max(host)) + 1_000, repeats), 1e3 * float(np.median(host))
 
 
-def held_step_ms(plan, graph: bool, hold_us: int, repeats: int) -> float:
-    """GPU ms of one replayed step of a recorded plan (gpu.plan.Recorded), median of `repeats`: events around the
-    step queued behind a `hold` kernel of hold_us (longer than the host takes to queue it), so that no kernel waits
-    for the host."""
-    stream, gpu = plan.rt.stream, []
+def held_ms(queue, stream, hold_us: int, repeats: int) -> float:
+    """GPU ms of what queue() queues on `stream`, median of `repeats`: events around it (_elapsed), queued behind a
+    `hold` kernel of hold_us (longer than the host takes to queue it), so that no kernel waits for the host."""
+    times = []
     for _ in range(repeats):
-        start, end = cuda.event(), cuda.event()
         k_copy.hold[1, 1, stream](hold_us)
-        start.record(stream)
-        plan.replay(1, graph)
-        end.record(stream)
-        end.synchronize()
-        gpu.append(cuda.event_elapsed_time(start, end))
-    return float(np.median(gpu))
+        times.append(1e3 * _elapsed(queue, stream))
+    return float(np.median(times))
+
+
+def held_step_ms(plan, graph: bool, hold_us: int, repeats: int) -> float:
+    """GPU ms of one replayed step of a recorded plan (gpu.plan.Recorded), median of `repeats` (held_ms)."""
+    return held_ms(lambda: plan.replay(1, graph), plan.rt.stream, hold_us, repeats)
 
 
 def bench_recipe(model, name: str, bandwidth: float, context: int = 64, steps: int = 200,
