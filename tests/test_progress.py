@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from course_lib.measure import progress
+from course_lib.model.safetensors_io import bf16_to_f32
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,30 +184,36 @@ def test_the_in_graph_costs_tool_refuses_bad_input_and_computes_each_kernels_cos
     assert out["per_launch_us"]["logits"] == {"count": 1, "doubled": 5.0, "removed": 5.0, "emptied": 4.5}
 
 
+def run_stand_in(feeds_x, advances, before="nothing", logits=(0.0,)):
+    """One block of tools/in_graph_costs.py's stand_in on poisoned outputs, the position at 6 and a page table of two
+    pages of 4 (3, 1), the settings (0.5, 0.25) and (40, 2): {buffer: its contents after}, x as its one row."""
+    from checks import dev, poisoned
+
+    from course_lib.kernels import sampling
+
+    table = np.random.default_rng(7).integers(0, 0x7F80, (5, 40), dtype=np.uint16)  # finite bf16 bits
+    out = {"token": poisoned(1, np.int32), "position": dev(np.array([6], np.int32)), "slot": poisoned(1, np.int32),
+           "history": poisoned(9, np.int32), "x": poisoned((1, 40)), "part_v": poisoned(1),
+           "part_i": poisoned(1, np.int32), "part_nan": poisoned(1, np.int32), "counters": dev(np.zeros(1, np.int32))}
+    load_tool("in_graph_costs").stand_in(feeds_x, advances, sampling.embed_into(table), before)[1, 32](
+        dev(np.array(logits, np.float32)), dev(np.zeros(5, np.uint64)), dev(np.array([0.5, 0.25])),
+        dev(np.array([40, 2], np.int64)), out["token"], out["position"], out["slot"], dev(np.array([3, 1], np.int32)),
+        4, out["history"], dev(table), out["x"], out["part_v"], out["part_i"], out["part_nan"], out["counters"])
+    got = {name: array.copy_to_host() for name, array in out.items()}
+    return got | {"x": got["x"][0], "rows": bf16_to_f32(table)}
+
+
 @pytest.mark.parametrize("feeds_x,advances", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_in_graph_costs_tools_sampler_stand_ins_write_what_they_say(feeds_x, advances):
     """tools/in_graph_costs.py --sampler's stand-ins for sample_next: x = token 0's embedding row when feeds_x, the
     token, position, slot and history of token 0 when advances, and nothing else (every output poisoned first)."""
-    from checks import dev, poison, poisoned
+    from checks import poison
 
-    from course_lib.kernels import cuda as kcuda
-    from course_lib.kernels import sampling
-
-    tool = load_tool("in_graph_costs")
-    rng = np.random.default_rng(7)
-    table = rng.integers(0, 0x7F80, (5, 40), dtype=np.uint16)  # finite bf16 bits
-    token, position, slot = poisoned(1, np.int32), dev(np.array([6], np.int32)), poisoned(1, np.int32)
-    history, x, page_table = poisoned(9, np.int32), poisoned((1, 40)), dev(np.array([3, 1], np.int32))
-    scratch = poisoned(2)
-    tool.stand_in(feeds_x, advances, sampling.embed_into(table))[1, 32](
-        poisoned(5), kcuda.device_array(5, np.uint64), scratch, scratch, token, position, slot, page_table, 4,
-        history, dev(table), x, scratch, scratch, scratch, scratch)
-    row0 = (table[0].astype(np.uint32) << 16).view(np.float32)
-    got_x = x.copy_to_host()[0]
-    assert np.array_equal(got_x, row0) if feeds_x else np.isnan(got_x).all()
+    got = run_stand_in(feeds_x, advances)
+    assert np.array_equal(got["x"], got["rows"][0]) if feeds_x else np.isnan(got["x"]).all()
     want = (0, 7, 1 * 4 + 3, 0) if advances else (poison(np.int32), 6, poison(np.int32), poison(np.int32))
-    assert (token.copy_to_host()[0], position.copy_to_host()[0], slot.copy_to_host()[0],
-            history.copy_to_host()[7]) == want  # position 7: page 1 (physical page 1), row 3
+    # position 7: page 1 of the table (physical page 1), row 3
+    assert (got["token"][0], got["position"][0], got["slot"][0], got["history"][7]) == want
 
 
 @pytest.mark.parametrize("before", ["settings", "counter", "greedy"])
@@ -214,29 +221,16 @@ def test_the_in_graph_costs_tools_working_stand_ins_do_what_they_say(before):
     """tools/in_graph_costs.py --sampler's stand-ins that do one part of the sampler's work before feeding the next
     step: read its settings into part_v[0] and part_i[0], count on counters[0] (back to 0 after), or choose the
     greedy token of the logits given (the lowest index of the largest), as sample_next does without its draw."""
-    from checks import dev, poisoned
-
     from course_lib.kernels import sampling
 
-    tool = load_tool("in_graph_costs")
     with pytest.raises(ValueError, match="before 'draw'"):
-        tool.stand_in(True, True, sampling.embed_into(np.zeros((1, 8), np.uint16)), "draw")
-    rng = np.random.default_rng(11)
-    table = rng.integers(0, 0x7F80, (5, 40), dtype=np.uint16)  # finite bf16 bits
-    logits = np.array([1.0, 3.0, 3.0, -2.0, 0.0], np.float32)  # a tie: the lowest index, 1, is greedy's choice
-    token, position, slot = poisoned(1, np.int32), dev(np.array([6], np.int32)), poisoned(1, np.int32)
-    history, x, page_table = poisoned(9, np.int32), poisoned((1, 40)), dev(np.array([3, 1], np.int32))
-    part_v, part_i, part_nan = poisoned(1), poisoned(1, np.int32), poisoned(1, np.int32)
-    counters = dev(np.zeros(1, np.int32))
-    tool.stand_in(True, True, sampling.embed_into(table), before)[1, 32](
-        dev(logits), dev(np.zeros(5, np.uint64)), dev(np.array([0.5, 0.25])), dev(np.array([40, 2], np.int64)), token,
-        position, slot, page_table, 4, history, dev(table), x, part_v, part_i, part_nan, counters)
+        load_tool("in_graph_costs").stand_in(True, True, sampling.embed_into(np.zeros((1, 8), np.uint16)), "draw")
+    got = run_stand_in(True, True, before, logits=(1.0, 3.0, 3.0, -2.0, 0.0))  # a tie: greedy takes index 1
     chosen = 1 if before == "greedy" else 0
-    assert np.array_equal(x.copy_to_host()[0], (table[chosen].astype(np.uint32) << 16).view(np.float32))
-    assert (token.copy_to_host()[0], position.copy_to_host()[0], slot.copy_to_host()[0],
-            history.copy_to_host()[7]) == (chosen, 7, 1 * 4 + 3, chosen)
-    assert counters.copy_to_host()[0] == 0
+    assert np.array_equal(got["x"], got["rows"][chosen])
+    assert (got["token"][0], got["position"][0], got["slot"][0], got["history"][7]) == (chosen, 7, 1 * 4 + 3, chosen)
+    assert got["counters"][0] == 0
     if before == "settings":
-        assert (part_v.copy_to_host()[0], part_i.copy_to_host()[0]) == (0.75, 42)
+        assert (got["part_v"][0], got["part_i"][0]) == (0.75, 42)
     if before == "greedy":
-        assert (part_v.copy_to_host()[0], part_i.copy_to_host()[0], part_nan.copy_to_host()[0]) == (3.0, 1, 0)
+        assert (got["part_v"][0], got["part_i"][0], got["part_nan"][0]) == (3.0, 1, 0)
