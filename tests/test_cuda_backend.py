@@ -12,7 +12,7 @@ from checks import as_computed, logit_tolerance
 from course_lib import reference
 from course_lib.gpu.backend import BATCHED, CHUNKS, FIVE, FUSED, NARROW, PAGED, ROW_DOT, CudaBackend
 from course_lib.kernels import SIMULATOR
-from course_lib.kernels.paged_attention import chunk_unit, chunks_for
+from course_lib.kernels.paged_attention import ONE_CHUNK_KEYS, chunk_unit, chunks_for
 
 
 @pytest.mark.parametrize("ops", [None, NARROW, PAGED, FUSED, ROW_DOT], ids=["baseline", "narrow", "paged", "fused",
@@ -50,7 +50,8 @@ def test_decode_over_several_chunks_matches_reference(request, model, ops):
     if SIMULATOR:
         model = request.getfixturevalue("tiny")
     c, chunks = model.config, CHUNKS[ops["chunks"]]
-    n = 2 * chunk_unit(c.head_dim, chunks) + 1  # a decode step at position n sees n + 1 keys: two chunks or more
+    n = max(2 * chunk_unit(c.head_dim, chunks), ONE_CHUNK_KEYS) + 1  # a decode step at position n sees n + 1 keys:
+    # two chunks or more
     assert chunks_for(n + 1, c.n_heads, c.n_kv_heads, c.head_dim, chunks=chunks)[1] >= 2
     ref_model, rope = as_computed(model, "bf16"), reference.rope_tables(c, n + 1)
     cache = reference.KVCache(c, n + 1)

@@ -191,7 +191,8 @@ def test_flash_rows_of_several_sequences_equal_each_alone(rng, chunks):
     row the bits it gets with its sequence alone, with one sequence's chunks and with a batch's;
     the sequences' pages interleave in one pair of tables."""
     H, Hkv, hd = (3, 1, 16) if SIMULATOR else (c.n_heads, c.n_kv_heads, c.head_dim)
-    page, lengths = 16, [5, 3 * pa.chunk_unit(hd, chunks) + 7, 40]  # the second has several chunks
+    page, lengths = 16, [5, max(3 * pa.chunk_unit(hd, chunks), pa.ONE_CHUNK_KEYS) + 7, 40]  # the second has several
+    # chunks
     assert pa.chunks_for(lengths[1], H, Hkv, hd, chunks=chunks)[1] > 1
     counts = [-(-n // page) for n in lengths]
     order = rng.permutation(sum(counts) + 2).astype(np.int32)  # two pages nobody owns

@@ -395,9 +395,22 @@ def test_flash_chunks(chunks):
                 length, count = pa.chunks_for(n, H, Hkv, hd, sms=132, chunks=chunks)
                 assert length % unit == 0 and count <= target
                 assert (count - 1) * length < n <= count * length  # no empty chunk
+                assert count == 1 or n > pa.ONE_CHUNK_KEYS
     assert pa.chunks_for(pa.chunk_unit(64, chunks), 9, 3, 64, sms=132, chunks=chunks)[1] == 1  # short: one chunk
     if chunks.per_query_head:  # SmolLM2 at 4k: a wave of a block per query head and chunk, not three
         assert pa.chunks_for(4096, 9, 3, 64, sms=132)[1] * 9 in range(132, pa.BLOCKS_PER_SM * 132 + 1)
+
+
+def test_short_queries_take_one_chunk(monkeypatch):
+    """Up to ONE_CHUNK_KEYS keys a query reads its keys in one chunk of whole block steps, however many chunks the
+    GPU could hold; past it the count rule as before (the GPU's constant here: the simulator's is 0)."""
+    monkeypatch.setattr(pa, "ONE_CHUNK_KEYS", 256)
+    unit = pa.chunk_unit(64)
+    for n in (1, unit, unit + 1, 200, 256):
+        assert pa.chunks_for(n, 9, 3, 64, sms=132) == (-(-n // unit) * unit, 1)
+    assert pa.chunks_for(257, 9, 3, 64, sms=132)[1] == -(-257 // unit)  # chunks of one step again
+    monkeypatch.setattr(pa, "ONE_CHUNK_KEYS", 0)
+    assert pa.chunks_for(200, 9, 3, 64, sms=132)[1] == -(-200 // unit)
 
 
 @pytest.mark.parametrize("hd", [16, 40])

@@ -40,7 +40,8 @@ kernels are thin wrappers around the device functions `chunk_block` and `merge_h
 caller's wait (the megakernel's attention instructions: its counters instead of griddepcontrol).
 
 Chunks: a query that sees n keys gets chunks of `chunk_len(n, ...)` keys, a whole number of a block's steps
-(`chunk_unit`), so that the chunks of the longest queries fill the GPU once: at most BLOCKS_PER_SM blocks per SM,
+(`chunk_unit`), one chunk up to ONE_CHUNK_KEYS keys, and past that as many as make the chunks of the longest queries
+fill the GPU once: at most BLOCKS_PER_SM blocks per SM,
 counting a block per query head and chunk for one sequence (SEQUENCE_CHUNKS), per KV head and chunk for a batch. The
 length depends only on n, the heads, hd and the GPU (never on T), and so does the merge, which counts the query's
 own chunks from positions[t]: a query gives the same bits alone (decode) and inside a long prefill. The grid's chunk
@@ -107,6 +108,9 @@ SEQUENCE_HEADS = 1  # query heads per block of one sequence's flash-decoding (0:
 # query head, G times the blocks (a short context's few blocks set its pace, not the G reads of K and V from L2)
 BATCH_HEADS = 0  # the same for a batch's rows, which fill the GPU without that: a block per KV head (faster there)
 BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastest of 2, 3 and 4 at 4k)
+ONE_CHUNK_KEYS = sized(256, 0)  # a query that sees at most this many keys reads them in one chunk: a block's second
+# step costs less than the counter and the merge that a second chunk brings (0 in the simulator: the rule is off there,
+# so that its few keys still make several chunks to merge)
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 6  # "SMs" of the simulator here (few blocks, yet a sequence of the tiny model's 4 query heads gets 3 chunks)
 MAX_CHUNKS = 1024  # chunks per query at most
@@ -120,7 +124,10 @@ WRITE_THREADS = sized(256, 64)
 
 def chunk_len(n_keys, target, unit):
     """Keys per chunk for a query that sees n_keys keys: n_keys / target rounded up to a multiple of `unit` (the
-    keys a block reads per step), at least one unit. Then ceil(n_keys / chunk_len) <= target chunks."""
+    keys a block reads per step), at least one unit. Then ceil(n_keys / chunk_len) <= target chunks. Up to
+    ONE_CHUNK_KEYS keys, n_keys rounded up to a multiple of `unit`: one chunk."""
+    if n_keys <= ONE_CHUNK_KEYS:
+        return (n_keys + unit - 1) // unit * unit
     return max(1, (n_keys + target * unit - 1) // (target * unit)) * unit
 
 
