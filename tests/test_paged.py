@@ -421,11 +421,13 @@ def test_merge_many_chunks(rng, hd):
     T, H, C = 2, 3, 2 * pa.MERGE_UNROLL + 5  # each component's thread loads MERGE_UNROLL chunks three times
     o, m = randn(rng, T, H, C, hd), randn(rng, T, H, C, scale=4.0)
     l = rng.uniform(0.5, 2.0, (T, H, C)).astype(np.float32)  # noqa: E741
-    positions = np.array([C - 1, C // 2], np.int32)  # target C, unit 1: chunks of one key, C and C // 2 + 1 of them
+    unit = pa.ONE_CHUNK_KEYS // (C // 2 + 1) + 1  # so that both queries see more keys than one chunk takes
+    counts = np.array([C, C // 2 + 1])
+    positions = (counts * unit - 1).astype(np.int32)  # target C: chunks of one unit, C and C // 2 + 1 of them
     out = poisoned((T, H, hd))
-    pa.merge_chunks[(H, T), pa.MERGE_THREADS](dev(o), dev(m), dev(l), dev(positions), C, 1, out)
+    pa.merge_chunks[(H, T), pa.MERGE_THREADS](dev(o), dev(m), dev(l), dev(positions), C, unit, out)
     got = out.copy_to_host()
-    for t, n in enumerate(positions + 1):
+    for t, n in enumerate(counts):
         w = np.exp(m[t, :, :n].astype(np.float64) - m[t, :, :n].max(axis=1, keepdims=True))
         num, den = (w[..., None] * o[t, :, :n]).sum(axis=1), (w * l[t, :, :n]).sum(axis=1)[:, None]
         want = num / den
