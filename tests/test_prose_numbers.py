@@ -822,3 +822,56 @@ def test_sampler_stand_ins_prose_quotes_their_run():
     for figure in (f"{median['emptied']:.1f} to {median['feeds_and_advances']:.1f} µs",
                    f"{median['no_pass_no_counter']:.1f} µs"):
         assert figure in readme, f"the README does not quote {figure!r}"
+
+
+def test_one_chunk_prose_quotes_its_run():
+    """Notebook 04, short contexts in one chunk (data/one_chunk_h100.json): the A/B gains of one chunk up to 256 and
+    512 keys and of eight steps per graph, in the notebook and the README; the library's constant is the one kept."""
+    from course_lib.kernels import SIMULATOR, paged_attention
+
+    trees = {name: run["summary"] for name, run in recorded("one_chunk_h100.json")["trees"].items()}
+    one256, one512, five8 = trees["one256"], trees["one512"], trees["five8"]
+    assert one256["64"]["gain"] > 2 and abs(one256["1000"]["gain"]) < 1 and one512["300"]["gain"] < -2
+    assert SIMULATOR or paged_attention.ONE_CHUNK_KEYS == 256
+    gains = (f"{one256['64']['base']:,.0f} → {one256['64']['new']:,.0f} tokens/s", f"({one256['64']['gain']:+.1f}%)",
+             f"loses {-one512['300']['gain']:.1f}% after 300", f"+{five8['64']['gain']:.1f}%")
+    text = prose("04", "One chunk up to 256 keys decodes")
+    for figure in (f"{one256['64']['gain']:.1f}% faster after a 64-token prompt", gains[0],
+                   f"loses {-one512['300']['gain']:.1f}% after 300", f"gain {five8['64']['gain']:.1f}%"):
+        assert figure in text, f"notebook 04 does not quote {figure!r}"
+    readme = readme_results("04")
+    for figure in gains:
+        assert figure in readme, f"the README does not quote {figure!r}"
+    top = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"{one256['64']['new']:,.0f} tokens/s instead of {one256['64']['base']:,.0f} on an H100, 200 tokens after "
+            "a 64-token prompt") in top
+
+
+def test_greedy_build_and_stand_ins_again_prose_quotes_their_runs():
+    """Notebook 06, the draw's code and the stand-ins run again (data/sampler_greedy_h100.json,
+    data/sampler_standins_again_h100.json): the greedy build's step and A/B, the stand-ins' spread across runs."""
+    greedy = recorded("sampler_greedy_h100.json")
+    g, ab = greedy["median"], greedy["ab"]["summary"]
+    runs = [recorded("sampler_standins_h100.json")["median"], g,
+            recorded("sampler_standins_again_h100.json")["runs"]["tool_now"]["median"]]
+    saved = g["draw_build"] - g["shipped"]
+    assert 0 <= saved < 1 and abs(ab["64"]["gain"]) < 1 and abs(ab["1000"]["gain"]) < 1  # level: not merged
+    advances = [r["advances_only"] for r in runs]
+    both = [r["feeds_and_advances"] for r in runs]
+    spread = max(max(advances) - min(advances), max(both) - min(both))
+    totals = [r["shipped"] - r["emptied"] for r in (runs[0], runs[2])] + [g["draw_build"] - g["emptied"]]
+    assert 8 < spread < 11 and all(14 <= t <= 15.5 for t in totals)
+    parts = [r[k] - r["feeds_and_advances"] for r in runs[1:] for k in ("reads_settings", "counts",
+                                                                           "greedy_without_draw")]
+    assert max(abs(p) for p in parts) <= 1.3
+    text = section("06", "#### The draw's code, and the stand-ins run again")
+    for figure in (f"saves {saved:.1f} µs of the step", f"+{ab['64']['gain']:.1f}% after 64 tokens",
+                   f"−{-ab['1000']['gain']:.1f}% after 1,000", "by up to 9 µs",
+                   "took " + ", ".join(f"{a:.1f}" for a in advances[:2]) + f" and {advances[2]:.1f} µs",
+                   "feeds and advances " + ", ".join(f"{b:.1f}" for b in both[:2]) + f" and {both[2]:.1f}",
+                   "within 1.3 µs", "14 to 15 µs shorter"):
+        assert figure in text, f"notebook 06 does not quote {figure!r}"
+    readme = readme_results("06")
+    for figure in ("by up to 9 µs", f"{advances[1]:.1f} and {advances[2]:.1f} µs", "14 to 15 µs shorter",
+                   f"saved {saved:.1f} µs of the step", f"(+{ab['64']['gain']:.1f}% at 64 positions)"):
+        assert figure in readme, f"the README does not quote {figure!r}"
