@@ -108,9 +108,11 @@ SEQUENCE_HEADS = 1  # query heads per block of one sequence's flash-decoding (0:
 # query head, G times the blocks (a short context's few blocks set its pace, not the G reads of K and V from L2)
 BATCH_HEADS = 0  # the same for a batch's rows, which fill the GPU without that: a block per KV head (faster there)
 BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastest of 2, 3 and 4 at 4k)
-ONE_CHUNK_KEYS = sized(256, 0)  # a query that sees at most this many keys reads them in one chunk: a block's second
-# step costs less than the counter and the merge that a second chunk brings (0 in the simulator: the rule is off there,
-# so that its few keys still make several chunks to merge)
+ONE_CHUNK_KEYS = sized(256, 0)  # a query that sees at most this many keys reads them in one chunk: at hd 64 (SmolLM2,
+# Llama-3.2-1B) two steps of a block, which cost less than the counter and the merge that a second chunk brings; four
+# steps (512 keys) cost more (notebook 04). At hd 128 a step holds half the keys: 256 keys are four steps there, not
+# measured. A batch's chunks (BATCH_CHUNKS) already hold 256 keys at hd 64. 0 in the simulator: the rule is off there,
+# so that its few keys still make several chunks to merge
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 6  # "SMs" of the simulator here (few blocks, yet a sequence of the tiny model's 4 query heads gets 3 chunks)
 MAX_CHUNKS = 1024  # chunks per query at most
