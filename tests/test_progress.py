@@ -150,6 +150,47 @@ def test_the_ab_tool_averages_each_tree_and_refuses_bad_input(monkeypatch, capsy
     assert [r["tree"] for r in record["runs"]] == ["base", "new", "base", "new"]
     assert record["summary"]["64"]["gain"] == pytest.approx(5.0)
 
+    # with --set, NEW is a copy of BASE with the constant changed, there while NEW's runs read it
+    seen = []
+    monkeypatch.setattr(tool.subprocess, "run", lambda command, **kw: (
+        seen.append((Path(command[command.index("--child") + 1]) / "course_lib" / "kernels" / "sampling.py")
+                    .read_text()), fake_run(command, **kw))[1])
+    calls.clear()
+    assert tool.main([str(root), "--set", "kernels/sampling.py:SLICES=8", "--contexts", "64", "--save",
+                      str(saved)]) == 0
+    assert [c[0] == str(root) for c in calls] == [True, False] * 2
+    assert ["\nSLICES = 8  #" in text for text in seen] == [False, True] * 2
+    assert json.loads(saved.read_text())["new_settings"] == ["kernels/sampling.py:SLICES=8"]
+
+
+def test_the_ab_tool_sets_a_constant_in_a_copy_of_base(capsys, tmp_path):
+    """tools/ab_recipes.py --set: NEW is a copy of BASE's course_lib in which the one top-level assignment of each
+    named constant takes the value given, every other line as it was; a file or a name that is not there, a value
+    that is not an expression, or --set beside two trees are clear errors."""
+    tool = load_tool("ab_recipes")
+    sets = [tool.setting("kernels/paged_attention.py:ONE_CHUNK_KEYS=384"), tool.setting("kernels/sampling.py:SLICES=8")]
+    new = tool.variant(ROOT, sets, tmp_path / "new")
+    for file, name, value in sets:
+        before = (ROOT / "course_lib" / file).read_text().splitlines()
+        after = (new / "course_lib" / file).read_text().splitlines()
+        changed = [(b, a) for b, a in zip(before, after, strict=True) if a != b]
+        assert len(changed) == 1 and changed[0][1].startswith(f"{name} = {value}  # tools/ab_recipes.py --set (was: ")
+        assert changed[0][0].startswith(f"{name} = ")
+    unchanged = "kernels/row_dot.py"
+    assert (new / "course_lib" / unchanged).read_text() == (ROOT / "course_lib" / unchanged).read_text()
+    assert not list((new / "course_lib").rglob("__pycache__"))
+    for bad, message in (("kernels/nowhere.py:X=1", "no course_lib/kernels/nowhere.py"),
+                         ("kernels/paged_attention.py:NOT_A_CONSTANT=1", "0 times, not once"),
+                         ("kernels/paged_attention.py:ONE_CHUNK=1", "0 times")):  # a prefix of a name is no name
+        with pytest.raises(SystemExit, match=message):
+            tool.variant(ROOT, [tool.setting(bad)], tmp_path / bad.split(":")[1])
+    for bad in ("paged_attention:X=1", "kernels/paged_attention.py:X=", "kernels/paged_attention.py:X=1 +"):
+        with pytest.raises(Exception, match="--set"):
+            tool.setting(bad)
+    with pytest.raises(SystemExit):
+        tool.main([str(ROOT), str(ROOT), "--set", "kernels/sampling.py:SLICES=8"])
+    assert "give BASE and --set" in capsys.readouterr().err
+
 
 def test_the_in_graph_costs_tool_refuses_bad_input_and_computes_each_kernels_cost(monkeypatch, capsys):
     """tools/in_graph_costs.py: an unknown recipe, one without a step graph, a prompt length below 1 or no GPU are

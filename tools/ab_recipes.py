@@ -2,9 +2,14 @@
 
     python tools/ab_recipes.py BASE NEW [--contexts 64,1000] [--rounds 2] [--recipe five] [--steps 200]
                                [--model random:SmolLM2-135M-Instruct] [--save FILE.json]
+    python tools/ab_recipes.py BASE --set kernels/paged_attention.py:ONE_CHUNK_KEYS=384 [--set ...] [...]
 
 BASE and NEW are directories that each hold a course_lib package: a worktree of an earlier commit (`git worktree
-add /tmp/base HEAD~1`), or a copy of course_lib/ in a folder of its own. Each run is a process of its own, its tree
+add /tmp/base HEAD~1`), or a copy of course_lib/ in a folder of its own. With --set, NEW is a copy of BASE's
+course_lib in a temporary folder with module constants given other values (FILE:NAME=VALUE, FILE under course_lib/:
+the line `NAME = ...` at the top level of FILE becomes `NAME = VALUE`): one constant tried without a tree made by
+hand. It suits a constant read when a kernel compiles or when the host calls; one that other constants are computed
+from at import keeps its effect on them. Each run is a process of its own, its tree
 first on the module path and with the tree's own kernel cache (neither tree loads the other's compiled kernels), and
 the trees take turns, BASE, NEW, BASE, NEW, ..., so that a drift of the GPU's clocks or temperature falls on both.
 A run decodes `steps` greedy tokens after a random prompt of each length (measure.bench.bench_recipe: the
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +48,38 @@ def tree(text: str) -> Path:
     if not (path / "course_lib" / "__init__.py").is_file():
         raise argparse.ArgumentTypeError(f"{text}: no course_lib package in this directory")
     return path
+
+
+def setting(text: str) -> tuple[str, str, str]:
+    """'kernels/paged_attention.py:ONE_CHUNK_KEYS=384' -> (file under course_lib, constant, value: a Python
+    expression)."""
+    match = re.fullmatch(r"([\w/]+\.py):([A-Za-z_]\w*)=(.+)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: FILE:NAME=VALUE, FILE a module under course_lib/")
+    try:
+        compile(match[3], "--set", "eval")
+    except SyntaxError:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: {match[3]!r} is not a Python expression") from None
+    return match[1], match[2], match[3]
+
+
+def variant(base: Path, settings: list[tuple[str, str, str]], dest: Path) -> Path:
+    """A copy of base/course_lib in dest (compiled files left out) with each (file, NAME, value) of settings applied:
+    the one top-level line of the file that assigns NAME becomes `NAME = value`. -> dest. SystemExit (a clear error)
+    for a file that is not there or a NAME assigned at the top level of it not exactly once."""
+    shutil.copytree(base / "course_lib", dest / "course_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    for file, name, value in settings:
+        path = dest / "course_lib" / file
+        if not path.is_file():
+            raise SystemExit(f"error: --set: no course_lib/{file} in {base}")
+        lines = path.read_text().splitlines(keepends=True)
+        found = [i for i, line in enumerate(lines) if re.match(rf"{name}\s*(:[^=]+)?=(?!=)", line)]
+        if len(found) != 1:
+            raise SystemExit(f"error: --set: course_lib/{file} assigns {name} at its top level {len(found)} times, "
+                             "not once")
+        lines[found[0]] = f"{name} = {value}  # tools/ab_recipes.py --set (was: {lines[found[0]].strip()})\n"
+        path.write_text("".join(lines))
+    return dest
 
 
 def summary(runs: list[dict]) -> dict[int, dict[str, float]]:
@@ -85,6 +124,8 @@ def run_one(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs="*", type=tree, help="BASE and NEW: directories holding a course_lib package")
+    parser.add_argument("--set", type=setting, action="append", default=[], metavar="FILE:NAME=VALUE",
+                        help="NEW is BASE with this module constant changed (repeatable; then give BASE alone)")
     parser.add_argument("--contexts", type=contexts, default=[64, 1000], help="prompt lengths (default 64,1000)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, in turns (default 2)")
     parser.add_argument("--recipe", default="five", help="the recipe timed (default five, the default on a GPU)")
@@ -96,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child is not None:
         return run_one(args)
-    if len(args.trees) != 2:
-        parser.error("give two trees, BASE and NEW")
+    if len(args.trees) != (1 if args.set else 2):
+        parser.error("give BASE and --set, or two trees, BASE and NEW" if args.set else "give two trees, BASE and NEW")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps are positive")
     from course_lib.device import gpu_available
@@ -108,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = []
     with tempfile.TemporaryDirectory() as caches:
+        trees = args.trees if not args.set else [args.trees[0], variant(args.trees[0], args.set,
+                                                                        Path(caches) / "new_tree")]
         for round_ in range(1, args.rounds + 1):
-            for name, path in zip(TREES, args.trees, strict=True):
+            for name, path in zip(TREES, trees, strict=True):
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
                            COURSE_LIB_KERNEL_CACHE=os.path.join(caches, name))
                 command = [sys.executable, __file__, "--child", str(path), "--contexts",
@@ -130,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save:
         with open(args.save, "w") as f:
             json.dump({"recipe": args.recipe, "model": args.model, "steps": args.steps, "gpu": runs[0]["gpu"],
-                       "trees": dict(zip(TREES, map(str, args.trees), strict=True)), "runs": runs,
+                       "trees": dict(zip(TREES, map(str, trees), strict=True)),
+                       "new_settings": [f"{file}:{name}={value}" for file, name, value in args.set], "runs": runs,
                        "summary": {str(c): row for c, row in table.items()}}, f, indent=1)
     return 0
 
