@@ -179,12 +179,21 @@ def test_the_ab_tool_sets_a_constant_in_a_copy_of_base(capsys, tmp_path):
     unchanged = "kernels/row_dot.py"
     assert (new / "course_lib" / unchanged).read_text() == (ROOT / "course_lib" / unchanged).read_text()
     assert not list((new / "course_lib").rglob("__pycache__"))
+    source = ('"""A module.\n\nN = 1 in its docstring\n"""\nN = (1,\n     2)  # two lines\nM = K = 3\n\n\n'
+              'def f():\n    N = 4\n')
+    edited = tool.set_constant(source, "m.py", "N", "5")  # the whole statement, not the docstring, not f's N
+    assert edited.splitlines()[4:6] == ["N = 5  # tools/ab_recipes.py --set (was: N = (1, 2))", "M = K = 3"]
+    assert "N = 1 in its docstring" in edited and "    N = 4" in edited
+    with pytest.raises(SystemExit, match="alone at its top level 0 times"):
+        tool.set_constant(source, "m.py", "K", "5")  # chained: not NAME alone
     for bad, message in (("kernels/nowhere.py:X=1", "no course_lib/kernels/nowhere.py"),
                          ("kernels/paged_attention.py:NOT_A_CONSTANT=1", "0 times, not once"),
                          ("kernels/paged_attention.py:ONE_CHUNK=1", "0 times")):  # a prefix of a name is no name
         with pytest.raises(SystemExit, match=message):
             tool.variant(ROOT, [tool.setting(bad)], tmp_path / bad.split(":")[1])
-    for bad in ("paged_attention:X=1", "kernels/paged_attention.py:X=", "kernels/paged_attention.py:X=1 +"):
+    assert not (tmp_path / "X=1").exists()  # checked before anything is copied
+    for bad in ("paged_attention:X=1", "kernels/paged_attention.py:X=", "kernels/paged_attention.py:X=1 +",
+                f"{ROOT}/course_lib/kernels/sampling.py:SLICES=8"):  # an absolute path would edit the checkout
         with pytest.raises(Exception, match="--set"):
             tool.setting(bad)
     with pytest.raises(SystemExit):

@@ -7,9 +7,9 @@
 BASE and NEW are directories that each hold a course_lib package: a worktree of an earlier commit (`git worktree
 add /tmp/base HEAD~1`), or a copy of course_lib/ in a folder of its own. With --set, NEW is a copy of BASE's
 course_lib in a temporary folder with module constants given other values (FILE:NAME=VALUE, FILE under course_lib/:
-the line `NAME = ...` at the top level of FILE becomes `NAME = VALUE`): one constant tried without a tree made by
-hand. It suits a constant read when a kernel compiles or when the host calls; one that other constants are computed
-from at import keeps its effect on them. Each run is a process of its own, its tree
+the statement `NAME = ...` at the top level of FILE becomes `NAME = VALUE`): one constant tried without a tree made
+by hand. The new value reaches what reads the constant later, when a kernel compiles or the host calls; constants
+computed from it at import follow it too, since the copy is imported afresh. Each run is a process of its own, its tree
 first on the module path and with the tree's own kernel cache (neither tree loads the other's compiled kernels), and
 the trees take turns, BASE, NEW, BASE, NEW, ..., so that a drift of the GPU's clocks or temperature falls on both.
 A run decodes `steps` greedy tokens after a random prompt of each length (measure.bench.bench_recipe: the
@@ -20,6 +20,7 @@ context's mean tokens/s for each tree and NEW's gain.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -53,7 +54,7 @@ def tree(text: str) -> Path:
 def setting(text: str) -> tuple[str, str, str]:
     """'kernels/paged_attention.py:ONE_CHUNK_KEYS=384' -> (file under course_lib, constant, value: a Python
     expression)."""
-    match = re.fullmatch(r"([\w/]+\.py):([A-Za-z_]\w*)=(.+)", text.strip())
+    match = re.fullmatch(r"(\w[\w/]*\.py):([A-Za-z_]\w*)=(.+)", text.strip())  # a relative path: no "/" first, no ".."
     if match is None:
         raise argparse.ArgumentTypeError(f"--set {text!r}: FILE:NAME=VALUE, FILE a module under course_lib/")
     try:
@@ -63,22 +64,37 @@ def setting(text: str) -> tuple[str, str, str]:
     return match[1], match[2], match[3]
 
 
-def variant(base: Path, settings: list[tuple[str, str, str]], dest: Path) -> Path:
-    """A copy of base/course_lib in dest (compiled files left out) with each (file, NAME, value) of settings applied:
-    the one top-level line of the file that assigns NAME becomes `NAME = value`. -> dest. SystemExit (a clear error)
-    for a file that is not there or a NAME assigned at the top level of it not exactly once."""
-    shutil.copytree(base / "course_lib", dest / "course_lib", ignore=shutil.ignore_patterns("__pycache__"))
+def set_constant(source: str, file: str, name: str, value: str) -> str:
+    """source (the text of course_lib/FILE) with its one top-level statement `NAME = ...` (or `NAME: type = ...`,
+    however many lines it spans) replaced by `NAME = value`. SystemExit (a clear error) when NAME is not assigned
+    alone at the top level exactly once."""
+    found = [node for node in ast.parse(source).body
+             if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name])
+             or (isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name)]
+    if len(found) != 1:
+        raise SystemExit(f"error: --set: course_lib/{file} assigns {name} alone at its top level {len(found)} times, "
+                         "not once")
+    lines = source.splitlines(keepends=True)
+    first, last = found[0].lineno - 1, found[0].end_lineno
+    was = " ".join(ast.get_source_segment(source, found[0]).split())
+    return "".join(lines[:first] + [f"{name} = {value}  # tools/ab_recipes.py --set (was: {was})\n"] + lines[last:])
+
+
+def variant(base: Path, settings: list[tuple[str, str, str]], dest: Path | None = None) -> Path | None:
+    """A copy of base/course_lib in dest (compiled files left out) with each (file, NAME, value) of settings applied
+    (set_constant). -> dest; with dest None, only checks that every setting applies to base (nothing written).
+    SystemExit (a clear error) for a file that is not there or a NAME that set_constant refuses."""
+    edited = {}
     for file, name, value in settings:
-        path = dest / "course_lib" / file
+        path = base / "course_lib" / file
         if not path.is_file():
             raise SystemExit(f"error: --set: no course_lib/{file} in {base}")
-        lines = path.read_text().splitlines(keepends=True)
-        found = [i for i, line in enumerate(lines) if re.match(rf"{name}\s*(:[^=]+)?=(?!=)", line)]
-        if len(found) != 1:
-            raise SystemExit(f"error: --set: course_lib/{file} assigns {name} at its top level {len(found)} times, "
-                             "not once")
-        lines[found[0]] = f"{name} = {value}  # tools/ab_recipes.py --set (was: {lines[found[0]].strip()})\n"
-        path.write_text("".join(lines))
+        edited[file] = set_constant(edited.get(file, path.read_text()), file, name, value)
+    if dest is None:
+        return None
+    shutil.copytree(base / "course_lib", dest / "course_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    for file, text in edited.items():
+        (dest / "course_lib" / file).write_text(text)
     return dest
 
 
@@ -141,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give BASE and --set, or two trees, BASE and NEW" if args.set else "give two trees, BASE and NEW")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps are positive")
+    variant(args.trees[0], args.set)  # a setting that does not apply: an error before any run
     from course_lib.device import gpu_available
 
     if not gpu_available():
@@ -150,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as caches:
         trees = args.trees if not args.set else [args.trees[0], variant(args.trees[0], args.set,
-                                                                        Path(caches) / "new_tree")]
+                                                                        Path(caches).resolve() / "new_tree")]
         for round_ in range(1, args.rounds + 1):
             for name, path in zip(TREES, trees, strict=True):
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
@@ -173,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save:
         with open(args.save, "w") as f:
             json.dump({"recipe": args.recipe, "model": args.model, "steps": args.steps, "gpu": runs[0]["gpu"],
-                       "trees": dict(zip(TREES, map(str, trees), strict=True)),
+                       "trees": {"base": str(trees[0]), "new": str(trees[1]) if not args.set else
+                                 f"a copy of {trees[0]} with new_settings"},
                        "new_settings": [f"{file}:{name}={value}" for file, name, value in args.set], "runs": runs,
                        "summary": {str(c): row for c, row in table.items()}}, f, indent=1)
     return 0

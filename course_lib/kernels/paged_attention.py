@@ -111,8 +111,9 @@ BLOCKS_PER_SM = 2  # the chunk count aims at this many blocks per SM (the fastes
 ONE_CHUNK_KEYS = sized(256, 0)  # a query that sees at most this many keys reads them in one chunk: at hd 64 (SmolLM2,
 # Llama-3.2-1B) two steps of a block, which cost less than the counter and the merge that a second chunk brings; four
 # steps (512 keys) cost more (notebook 04). At hd 128 a step holds half the keys: 256 keys are four steps there, not
-# measured. A batch's chunks (BATCH_CHUNKS) already hold 256 keys at hd 64. 0 in the simulator: the rule is off there,
-# so that its few keys still make several chunks to merge
+# measured. A batch's chunks (BATCH_CHUNKS) already hold 256 keys at hd 64; at hd 128 they hold 128, and 129 to 256
+# keys now take one chunk of eight steps instead of two of four, not measured. 0 in the simulator: the rule is off
+# there, so that its few keys still make several chunks to merge
 _CHUNK_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 SIM_SMS = 6  # "SMs" of the simulator here (few blocks, yet a sequence of the tiny model's 4 query heads gets 3 chunks)
 MAX_CHUNKS = 1024  # chunks per query at most
