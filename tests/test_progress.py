@@ -169,7 +169,7 @@ def test_the_ab_tool_sets_a_constant_in_a_copy_of_base(capsys, tmp_path):
     that is not an expression, or --set beside two trees are clear errors."""
     tool = load_tool("ab_recipes")
     sets = [tool.setting("kernels/paged_attention.py:ONE_CHUNK_KEYS=384"), tool.setting("kernels/sampling.py:SLICES=8")]
-    new = tool.variant(ROOT, sets, tmp_path / "new")
+    new = tool.variant(ROOT, tool.edited_files(ROOT, sets), tmp_path / "new")
     for file, name, value in sets:
         before = (ROOT / "course_lib" / file).read_text().splitlines()
         after = (new / "course_lib" / file).read_text().splitlines()
@@ -190,8 +190,8 @@ def test_the_ab_tool_sets_a_constant_in_a_copy_of_base(capsys, tmp_path):
                          ("kernels/paged_attention.py:NOT_A_CONSTANT=1", "0 times, not once"),
                          ("kernels/paged_attention.py:ONE_CHUNK=1", "0 times")):  # a prefix of a name is no name
         with pytest.raises(SystemExit, match=message):
-            tool.variant(ROOT, [tool.setting(bad)], tmp_path / bad.split(":")[1])
-    assert not (tmp_path / "X=1").exists()  # checked before anything is copied
+            tool.edited_files(ROOT, [tool.setting(bad)])
+    assert list(tmp_path.iterdir()) == [tmp_path / "new"]  # the settings checked: nothing written
     for bad in ("paged_attention:X=1", "kernels/paged_attention.py:X=", "kernels/paged_attention.py:X=1 +",
                 f"{ROOT}/course_lib/kernels/sampling.py:SLICES=8"):  # an absolute path would edit the checkout
         with pytest.raises(Exception, match="--set"):

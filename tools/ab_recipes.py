@@ -80,18 +80,22 @@ def set_constant(source: str, file: str, name: str, value: str) -> str:
     return "".join(lines[:first] + [f"{name} = {value}  # tools/ab_recipes.py --set (was: {was})\n"] + lines[last:])
 
 
-def variant(base: Path, settings: list[tuple[str, str, str]], dest: Path | None = None) -> Path | None:
-    """A copy of base/course_lib in dest (compiled files left out) with each (file, NAME, value) of settings applied
-    (set_constant). -> dest; with dest None, only checks that every setting applies to base (nothing written).
-    SystemExit (a clear error) for a file that is not there or a NAME that set_constant refuses."""
+def edited_files(base: Path, settings: list[tuple[str, str, str]]) -> dict[str, str]:
+    """{file under course_lib: its text with every (file, NAME, value) of settings applied (set_constant)}, read from
+    base and checked (nothing written). SystemExit (a clear error) for a file that is not there or a NAME that
+    set_constant refuses."""
     edited = {}
     for file, name, value in settings:
         path = base / "course_lib" / file
         if not path.is_file():
             raise SystemExit(f"error: --set: no course_lib/{file} in {base}")
         edited[file] = set_constant(edited.get(file, path.read_text()), file, name, value)
-    if dest is None:
-        return None
+    return edited
+
+
+def variant(base: Path, edited: dict[str, str], dest: Path) -> Path:
+    """A copy of base/course_lib in dest (compiled files left out) with the files of `edited` (edited_files) in
+    place of base's. -> dest."""
     shutil.copytree(base / "course_lib", dest / "course_lib", ignore=shutil.ignore_patterns("__pycache__"))
     for file, text in edited.items():
         (dest / "course_lib" / file).write_text(text)
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give BASE and --set, or two trees, BASE and NEW" if args.set else "give two trees, BASE and NEW")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps are positive")
-    variant(args.trees[0], args.set)  # a setting that does not apply: an error before any run
+    edited = edited_files(args.trees[0], args.set)  # a setting that does not apply: an error before any run
     from course_lib.device import gpu_available
 
     if not gpu_available():
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = []
     with tempfile.TemporaryDirectory() as caches:
-        trees = args.trees if not args.set else [args.trees[0], variant(args.trees[0], args.set,
+        trees = args.trees if not args.set else [args.trees[0], variant(args.trees[0], edited,
                                                                         Path(caches).resolve() / "new_tree")]
         for round_ in range(1, args.rounds + 1):
             for name, path in zip(TREES, trees, strict=True):
